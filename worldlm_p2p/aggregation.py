@@ -1,0 +1,64 @@
+"""Pure aggregation math for region rounds (imports torch only).
+
+A hivemind all-reduce computes ``sum_i w_i x_i / sum_i w_i`` over the group; these functions are
+the reference the network result is tested against, and the pre/post processing a peer applies
+around the all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def weighted_mean(states: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:
+    """Token-weighted mean of several peers' tensor lists.
+
+    ``states[i][j]`` is tensor ``j`` of peer ``i``; ``weights[i] >= 0`` with a positive sum.
+    Returns ``[sum_i w_i states[i][j] / sum_i w_i for j]`` in float64 accumulation, cast back.
+    """
+    if len(states) == 0 or len(states) != len(weights):
+        raise ValueError(f"need one weight per state, got {len(states)} states and {len(weights)} weights")
+    w = torch.as_tensor([float(x) for x in weights], dtype=torch.float64)
+    if bool((w < 0).any()) or float(w.sum()) <= 0 or not bool(torch.isfinite(w).all()):
+        raise ValueError(f"weights must be finite, non-negative and sum to a positive value, got {weights}")
+    w = w / w.sum()
+    n_tensors = len(states[0])
+    if any(len(s) != n_tensors for s in states):
+        raise ValueError("all peers must contribute the same number of tensors")
+    out = []
+    for j in range(n_tensors):
+        ref = states[0][j]
+        acc = torch.zeros(ref.shape, dtype=torch.float64)
+        for wi, s in zip(w, states):
+            if s[j].shape != ref.shape:
+                raise ValueError(f"tensor {j} has shape {tuple(s[j].shape)} != {tuple(ref.shape)}")
+            acc += wi * s[j].detach().to(torch.float64)
+        out.append(acc.to(ref.dtype))
+    return out
+
+
+def round_weight(tokens_since_last_round: int) -> float:
+    """A peer's weight in a region round: the tokens it trained on since its last round
+    (FedAvg's n_k). A peer with no new tokens still contributes with a tiny weight so that a group
+    of fresh joiners never divides by zero."""
+    return float(tokens_since_last_round) if tokens_since_last_round > 0 else 1e-3
+
+
+def outer_step(anchor: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor], lr: float) -> list[torch.Tensor]:
+    """FedAvg-style outer update: ``anchor + lr * (averaged - anchor)``; ``lr = 1`` adopts the mean."""
+    if lr == 1.0:
+        return [a.detach().clone() for a in averaged]
+    return [p + lr * (a - p) for p, a in zip(anchor, averaged)]
+
+
+def allreduce_traffic(payload_bytes: int, group_size: int) -> tuple[int, int]:
+    """Bytes one peer sends and receives in a butterfly all-reduce of ``payload_bytes`` over a group
+    of ``group_size`` equal-bandwidth peers (hivemind's scheme, no compression): it sends the
+    (n-1)/n of its vector that others reduce, then the reduced 1/n part back to the n-1 others,
+    and receives the same amounts. Protocol and DHT overhead are not counted."""
+    if group_size <= 1:
+        return 0, 0
+    part = payload_bytes * (group_size - 1) // group_size
+    return 2 * part, 2 * part

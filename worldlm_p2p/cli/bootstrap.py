@@ -1,0 +1,67 @@
+"""``worldlm-bootstrap``: host a DHT bootstrap node and publish a run manifest."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from worldlm_p2p.cli.common import ArgumentParser, install_stop_handlers, run_main
+from worldlm_p2p.config import NetConfig, RunManifest
+
+PROG = "worldlm-bootstrap"
+logger = logging.getLogger(PROG)
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description="Host a WorldLM bootstrap node (DHT only, no model).")
+    p.add_argument("--run-config", metavar="TOML", help="run manifest to publish (see bootstrap/run.example.toml)")
+    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/31337"], metavar="MADDR",
+                   help="addresses to listen on (default: all interfaces, TCP port 31337)")
+    p.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR",
+                   help="public addresses to advertise, e.g. /ip4/203.0.113.7/tcp/31337")
+    p.add_argument("--identity", metavar="PATH",
+                   help="private key file; created with mode 0600 if missing, so the peer id survives restarts")
+    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
+                   help="other bootstrap nodes of the swarm, for redundancy")
+    p.add_argument("--manifest-ttl", type=float, default=120.0, help="seconds a published manifest lives")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        from worldlm_p2p.bootstrap import BootstrapConfig, BootstrapNode
+        from worldlm_p2p.logs import setup_logging
+
+        setup_logging("WARNING")  # the multiaddrs must be the first output
+        manifest = RunManifest.from_toml(args.run_config) if args.run_config else None
+        identity_existed = bool(args.identity) and Path(args.identity).exists()
+        net = NetConfig(initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs),
+                        announce_maddrs=tuple(args.announce_maddrs), identity_path=args.identity)
+        node = BootstrapNode(config=BootstrapConfig(net=net, manifest=manifest, manifest_ttl=args.manifest_ttl))
+        install_stop_handlers(node.stop)
+        try:
+            maddrs = node.start()
+            print("To join this swarm: worldlm-peer --region REGION --initial-peers " + " ".join(maddrs), flush=True)
+            setup_logging()
+            if args.identity and not identity_existed:
+                logger.info("created identity %s (mode 0600): keep it private and back it up", args.identity)
+            if manifest is not None:
+                logger.info("publishing run %s (manifest %s, model %s, strategy %s)", manifest.run_id,
+                            manifest.fingerprint(), manifest.model.preset, manifest.aggregation.strategy)
+            else:
+                logger.info("no --run-config: serving the DHT only")
+            logger.info("bootstrap node %s is serving; Ctrl-C to stop", node.peer_id)
+            node.serve()
+        finally:
+            node.shutdown()
+        logger.info("bootstrap node stopped")
+        return 0
+
+    run_main(PROG, body)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

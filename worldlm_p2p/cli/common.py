@@ -1,0 +1,60 @@
+"""Shared CLI plumbing: one-line errors with exit code 2, signal handling, ``--config`` files."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Callable, NoReturn
+
+from worldlm_p2p.errors import WorldLMError
+
+logger = logging.getLogger(__name__)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error (``prog: error: ...``) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(2)
+
+
+def fail(prog: str, message: str, code: int = 2) -> NoReturn:
+    sys.stderr.write(f"{prog}: error: {message}\n")
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+def install_stop_handlers(stop: Callable[[], None]) -> None:
+    """SIGINT and SIGTERM ask for a clean stop; a second signal exits at once."""
+    count = {"n": 0}
+
+    def handler(signum, _frame):
+        count["n"] += 1
+        if count["n"] > 1:
+            os._exit(128 + signum)
+        logger.info("received %s: stopping cleanly (send again to force)", signal.Signals(signum).name)
+        stop()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def run_main(prog: str, body: Callable[[], int | None]) -> NoReturn:
+    """Run a CLI body; user errors become one line on stderr and exit code 2."""
+    try:
+        code = body() or 0
+    except WorldLMError as e:
+        fail(prog, str(e), e.exit_code)
+    except KeyboardInterrupt:
+        code = 130
+    except Exception as e:  # a bug, not bad input: still one line unless debugging
+        if os.environ.get("WORLDLM_LOGLEVEL", "").upper() == "DEBUG":
+            raise
+        fail(prog, f"internal error: {type(e).__name__}: {' '.join(str(e).split())[:300]} "
+                   "(rerun with WORLDLM_LOGLEVEL=DEBUG for details)", 1)
+    sys.stdout.flush()
+    sys.exit(code)

@@ -1,0 +1,139 @@
+"""``worldlm-peer``: join a WorldLM swarm and train on local data.
+
+Everything shared by the run (model, tokenizer, hyper-parameters, strategy) comes from the run
+manifest in the DHT; a volunteer needs only ``--region``, ``--initial-peers`` and ``--data``.
+``--config FILE`` is a TOML file with a ``[peer]`` table of the same settings as the flags
+(flags win) and, optionally, manifest tables (``[model]``, ``[train]``...) which must agree with
+the run manifest or the peer refuses to start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+from worldlm_p2p.cli.common import ArgumentParser, install_stop_handlers, run_main
+from worldlm_p2p.config import NetConfig, PeerConfig, load_toml
+from worldlm_p2p.errors import ConfigError
+
+PROG = "worldlm-peer"
+logger = logging.getLogger(PROG)
+
+_PEER_KEYS = {
+    "region": str, "data": str, "run_id": str, "label": str, "max_steps": int, "max_tokens": int, "device": str,
+    "checkpoint_dir": str, "checkpoint_every": int, "threads": int, "initial_peers": list, "host_maddrs": list,
+    "announce_maddrs": list, "identity": str, "summary": str, "manifest_wait": float, "trace_dir": str,
+}
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description="Join a WorldLM swarm and train on local data.")
+    p.add_argument("--region", help="jurisdiction tag of this peer's sub-federation, e.g. eu")
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="bootstrap multiaddrs (with /p2p/<id>)")
+    p.add_argument("--data", metavar="PATH", help="training text: a directory of text files (train.txt/valid.txt), "
+                                                  "a saved datasets directory, or a .txt/.jsonl/.csv/.parquet file")
+    p.add_argument("--run-id", help="run to join (needed only if the DHT serves several runs)")
+    p.add_argument("--config", metavar="TOML", help="peer settings file ([peer] table + optional manifest tables)")
+    p.add_argument("--label", help="short human-readable name shown in the monitor (default: data dir name)")
+    p.add_argument("--max-steps", type=int, help="stop after this many local steps")
+    p.add_argument("--max-tokens", type=int, help="stop after this many training tokens")
+    p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here and resume from the latest")
+    p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (default 50)")
+    p.add_argument("--threads", type=int, help="torch CPU threads for this process")
+    p.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="listen addresses (default /ip4/127.0.0.1/tcp/0; "
+                                                                     "use /ip4/0.0.0.0/tcp/PORT across machines)")
+    p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="public addresses to advertise")
+    p.add_argument("--identity", metavar="PATH", help="private key file (created with mode 0600 if missing)")
+    p.add_argument("--summary", metavar="JSON", help="write a JSON summary of this peer here at exit")
+    p.add_argument("--manifest-wait", type=float, help="seconds to wait for the run manifest (default 30)")
+    p.add_argument("--trace-dir", metavar="DIR", help=argparse_suppress())
+    return p
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS  # audit trail of round tensors, for tests and debugging
+
+
+def _merge(args, file_cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    peer = dict(file_cfg.get("peer", {}) or {})
+    if not isinstance(peer, dict):
+        raise ConfigError("[peer] must be a table")
+    for key, value in peer.items():
+        if key not in _PEER_KEYS:
+            raise ConfigError(f"peer.{key}: unknown setting (known: {', '.join(sorted(_PEER_KEYS))})")
+        typ = _PEER_KEYS[key]
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, typ) or isinstance(value, bool):
+            raise ConfigError(f"peer.{key}: expected {typ.__name__}, got {value!r}")
+        peer[key] = value
+    for key in _PEER_KEYS:
+        flag = getattr(args, key, None)
+        if flag is not None:
+            peer[key] = flag
+    overrides = {k: v for k, v in file_cfg.items() if k != "peer"}
+    return peer, overrides
+
+
+def make_config(args) -> PeerConfig:
+    file_cfg = load_toml(args.config) if args.config else {}
+    peer, overrides = _merge(args, file_cfg)
+    if not peer.get("region"):
+        raise ConfigError("--region is required (e.g. --region eu)")
+    if not peer.get("data"):
+        raise ConfigError("--data is required: a directory or file with this peer's training text")
+    if not peer.get("initial_peers"):
+        raise ConfigError("--initial-peers is required: the multiaddr(s) printed by worldlm-bootstrap")
+    net_kwargs: dict[str, Any] = dict(initial_peers=tuple(peer["initial_peers"]),
+                                      identity_path=peer.get("identity"))
+    if peer.get("host_maddrs"):
+        net_kwargs["host_maddrs"] = tuple(peer["host_maddrs"])
+    if peer.get("announce_maddrs"):
+        net_kwargs["announce_maddrs"] = tuple(peer["announce_maddrs"])
+    kwargs: dict[str, Any] = dict(
+        region=peer["region"], data=peer["data"], net=NetConfig(**net_kwargs), run_id=peer.get("run_id"),
+        label=peer.get("label", ""), max_steps=peer.get("max_steps"), max_tokens=peer.get("max_tokens"),
+        checkpoint_dir=peer.get("checkpoint_dir"), torch_threads=peer.get("threads"),
+        summary_path=peer.get("summary"), trace_dir=peer.get("trace_dir"), local_overrides=overrides,
+    )
+    for key, name in (("device", "device"), ("checkpoint_every", "checkpoint_every"),
+                      ("manifest_wait", "manifest_wait")):
+        if peer.get(key) is not None:
+            kwargs[name] = peer[key]
+    return PeerConfig(**kwargs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        from worldlm_p2p.logs import setup_logging
+
+        setup_logging()
+        config = make_config(args)
+        import torch
+
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        from worldlm_p2p.peer import Peer
+
+        peer = Peer(config=config)
+        install_stop_handlers(peer.stop)
+        try:
+            summary = peer.run()
+        finally:
+            peer.shutdown()
+        logger.info("done: %s", json.dumps({k: summary[k] for k in ("steps", "tokens", "rounds_completed",
+                                                                     "valid_loss") if k in summary}))
+        return 0
+
+    run_main(PROG, body)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

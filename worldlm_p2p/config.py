@@ -1,0 +1,369 @@
+"""Typed, frozen configuration.
+
+The **run manifest** (:class:`RunManifest`) is what every peer of a run must agree on: the model
+architecture, the tokenizer, the training hyper-parameters, the aggregation strategy and the
+averaging timings. A bootstrap node publishes it from a TOML file; peers fetch it from the DHT.
+Local, per-peer settings (region, data, devices, addresses) live in :class:`PeerConfig`.
+
+All dataclasses are frozen and keyword-only, and validate themselves in ``__post_init__`` with a
+:class:`~worldlm_p2p.errors.ConfigError` that names the offending setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from worldlm_p2p.errors import ConfigError
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+STRATEGIES = ("worldlm", "fedavg", "hierfavg", "fedper", "local")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Validate a run id or region tag: letters, digits, ``_`` and ``-`` only (no dots: hivemind
+    prefixes may not contain them), 1 to 64 characters."""
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise ConfigError(
+            f"invalid {kind} {value!r}: use 1-64 letters, digits, '_' or '-', starting with a letter or digit"
+        )
+    return value
+
+
+def _require(cond: bool, setting: str, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"{setting}: {why}")
+
+
+# ----------------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """A Llama-style causal LM built with ``transformers`` from this config (random init, no hub).
+
+    ``vocab_size`` is filled from the tokenizer when the model is built if left at 0.
+    """
+
+    preset: str = "custom"
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    intermediate_size: int = 352
+    max_seq_len: int = 256
+    vocab_size: int = 0
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len"):
+            _require(int(getattr(self, name)) > 0, f"model.{name}", "must be a positive integer")
+        _require(self.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = take it from the tokenizer)")
+        _require(self.hidden_size % self.num_heads == 0, "model.hidden_size", "must be divisible by model.num_heads")
+        _require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", "must divide model.num_heads")
+
+
+#: Model presets. Parameter counts are for the byte-level tokenizer (vocab 259, tied embeddings).
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    # ~0.9M parameters: CPU tests and the local demo.
+    "tiny": ModelConfig(preset="tiny", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4,
+                        intermediate_size=352, max_seq_len=256),
+    # ~21M parameters.
+    "small": ModelConfig(preset="small", hidden_size=384, num_layers=12, num_heads=6, num_kv_heads=6,
+                         intermediate_size=1024, max_seq_len=512),
+    # ~123M parameters (GPT-2-small scale).
+    "base": ModelConfig(preset="base", hidden_size=768, num_layers=13, num_heads=12, num_kv_heads=12,
+                        intermediate_size=3072, max_seq_len=1024),
+    # ~403M parameters: the WorldLM paper's largest scale (arXiv 2405.14446).
+    "large": ModelConfig(preset="large", hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=16,
+                         intermediate_size=4096, max_seq_len=1024),
+}
+
+
+def model_preset(name: str) -> ModelConfig:
+    if name not in MODEL_PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}: choose one of {', '.join(MODEL_PRESETS)}")
+    return MODEL_PRESETS[name]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenizerSpec:
+    """``kind="byte"``: UTF-8 bytes plus BOS/EOS/PAD (no files, any language).
+    ``kind="local"``: a Hugging Face tokenizer directory that exists on every peer at ``path``."""
+
+    kind: str = "byte"
+    path: str = ""
+
+    def __post_init__(self) -> None:
+        _require(self.kind in ("byte", "local"), "tokenizer.kind", f"{self.kind!r} is not 'byte' or 'local'")
+        _require(self.kind != "local" or bool(self.path), "tokenizer.path", "is required when tokenizer.kind = 'local'")
+
+
+# ----------------------------------------------------------------------------------- training
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """Local (inner) training hyper-parameters, shared by every peer of the run."""
+
+    batch_size: int = 8
+    seq_len: int = 128
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    inner_steps: int = 20  # H: local steps between region rounds
+    seed: int = 0
+    eval_tokens: int = 16384  # held-out tokens used for valid loss (0 = all)
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "seq_len", "inner_steps"):
+            _require(int(getattr(self, name)) > 0, f"train.{name}", "must be a positive integer")
+        _require(self.lr > 0, "train.lr", "must be > 0")
+        _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2", "must be in [0, 1)")
+        _require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+        _require(self.eval_tokens >= 0, "train.eval_tokens", "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AggregationConfig:
+    """How region rounds combine models. Issue #2 averages the whole model by token-weighted mean;
+    the strategy name is carried so that the WorldLM split can plug in without a manifest change."""
+
+    strategy: str = "worldlm"
+    outer_lr: float = 1.0  # 1.0 = plain FedAvg: adopt the averaged model
+
+    def __post_init__(self) -> None:
+        _require(self.strategy in STRATEGIES, "aggregation.strategy",
+                 f"{self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        _require(0 < self.outer_lr <= 2, "aggregation.outer_lr", "must be in (0, 2]")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AveragingConfig:
+    """Timings of a region round (seconds). Loopback defaults; raise them across the internet."""
+
+    matchmaking_time: float = 3.0  # how long a round's leader waits for peers to join its group
+    averaging_timeout: float = 30.0  # bound on one whole all-reduce (matchmaking included)
+    barrier_timeout: float = 60.0  # how long a peer waits for its region's live peers to be ready
+    request_timeout: float = 1.0
+    min_group_size: int = 2
+    target_group_size: int = 64
+
+    def __post_init__(self) -> None:
+        _require(self.matchmaking_time > 0, "averaging.matchmaking_time", "must be > 0")
+        _require(self.request_timeout > 0, "averaging.request_timeout", "must be > 0")
+        _require(self.request_timeout < self.matchmaking_time, "averaging.request_timeout",
+                 "must be smaller than averaging.matchmaking_time (hivemind breaks matchmaking deadlocks with it)")
+        _require(self.averaging_timeout > self.matchmaking_time, "averaging.averaging_timeout",
+                 "must exceed averaging.matchmaking_time")
+        _require(self.barrier_timeout >= 0, "averaging.barrier_timeout", "must be >= 0")
+        _require(self.min_group_size >= 2, "averaging.min_group_size", "must be >= 2")
+        _require(self.target_group_size >= self.min_group_size, "averaging.target_group_size",
+                 "must be >= averaging.min_group_size")
+
+
+# ----------------------------------------------------------------------------------- manifest
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "tokenizer": TokenizerSpec,
+    "train": TrainConfig,
+    "aggregation": AggregationConfig,
+    "averaging": AveragingConfig,
+}
+
+
+def _build_section(cls: type, name: str, values: Any) -> Any:
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"[{name}] must be a table, got {type(values).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"{name}.{unknown[0]}: unknown setting (known: {', '.join(sorted(known))})")
+    kwargs = {}
+    for key, value in values.items():
+        expected = type(getattr(cls(), key)) if key != "path" else str
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise ConfigError(f"{name}.{key}: expected {expected.__name__}, got {value!r}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunManifest:
+    """Everything the peers of one run must share. Published in the DHT by bootstrap nodes."""
+
+    run_id: str
+    model: ModelConfig = field(default_factory=lambda: MODEL_PRESETS["tiny"])
+    tokenizer: TokenizerSpec = field(default_factory=TokenizerSpec)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
+
+    def __post_init__(self) -> None:
+        check_name("run id", self.run_id)
+        _require(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
+                 f"{self.train.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}")
+
+    # -- (de)serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RunManifest":
+        """Build from a nested mapping (TOML or wire). ``[model] preset = "tiny"`` expands the preset;
+        other keys of ``[model]`` override it."""
+        if not isinstance(data, Mapping):
+            raise ConfigError("run manifest must be a table")
+        unknown = sorted(set(data) - {"run_id", *_SECTIONS})
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: unknown section or setting in the run manifest")
+        if "run_id" not in data:
+            raise ConfigError("run_id: missing from the run manifest")
+        kwargs: dict[str, Any] = {"run_id": data["run_id"]}
+        for name, section_cls in _SECTIONS.items():
+            values = dict(data.get(name, {}) or {})
+            if name == "model":
+                preset = values.get("preset", "tiny")
+                if not isinstance(preset, str):
+                    raise ConfigError(f"model.preset: expected str, got {preset!r}")
+                if preset != "custom":
+                    base = dataclasses.asdict(model_preset(preset))
+                    base.update(values)
+                    values = base
+            kwargs[name] = _build_section(section_cls, name, values)
+        if not isinstance(kwargs["run_id"], str):
+            raise ConfigError(f"run_id: expected str, got {kwargs['run_id']!r}")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "RunManifest":
+        return cls.from_dict(load_toml(path))
+
+    def fingerprint(self) -> str:
+        """A short stable hash of the manifest; peers log it and compare it."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+
+
+def manifest_conflicts(manifest: RunManifest, local: Mapping[str, Any]) -> list[str]:
+    """Compare local settings (a nested mapping shaped like the manifest, e.g. from a peer's
+    ``--config`` file) with the manifest; return one message per contradicting setting."""
+    messages: list[str] = []
+    ref = manifest.to_dict()
+    for section, values in local.items():
+        if section == "run_id":
+            if values != manifest.run_id:
+                messages.append(f"run_id: local {values!r} != run manifest {manifest.run_id!r}")
+            continue
+        if section not in _SECTIONS:
+            messages.append(f"{section}: unknown section")
+            continue
+        if not isinstance(values, Mapping):
+            messages.append(f"[{section}] must be a table")
+            continue
+        if section == "model" and "preset" in values and values["preset"] != "custom":
+            try:
+                expanded = dataclasses.asdict(model_preset(values["preset"]))
+            except ConfigError as e:
+                messages.append(str(e))
+                continue
+            expanded.update(values)
+            values = {k: v for k, v in expanded.items() if k != "vocab_size" or "vocab_size" in values}
+        for key, value in values.items():
+            if key not in ref[section]:
+                messages.append(f"{section}.{key}: unknown setting")
+            elif ref[section][key] != value:
+                messages.append(f"{section}.{key}: local {value!r} != run manifest {ref[section][key]!r}")
+    return messages
+
+
+# ----------------------------------------------------------------------------------- peer
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NetConfig:
+    """How a process joins the DHT."""
+
+    initial_peers: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    identity_path: str | None = None
+    connect_retries: int = 3
+    connect_backoff: float = 1.0  # seconds before the first retry; doubles each time
+    startup_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        _require(self.connect_retries >= 0, "connect_retries", "must be >= 0")
+        _require(self.connect_backoff >= 0, "connect_backoff", "must be >= 0")
+        _require(self.startup_timeout > 0, "startup_timeout", "must be > 0")
+        _require(len(self.host_maddrs) > 0, "host_maddrs", "needs at least one address to listen on")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeerConfig:
+    """Local settings of one peer. Everything shared with the run comes from the manifest."""
+
+    region: str
+    data: str
+    net: NetConfig = field(default_factory=NetConfig)
+    run_id: str | None = None
+    label: str = ""
+    max_steps: int | None = None
+    max_tokens: int | None = None
+    device: str = "auto"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 50  # steps; also written at every clean shutdown
+    keep_checkpoints: int = 3
+    progress_interval: float = 2.0  # seconds between progress records
+    progress_ttl: float = 15.0  # seconds a progress record stays valid without renewal
+    torch_threads: int | None = None
+    manifest_wait: float = 30.0  # seconds to wait for the run manifest to appear in the DHT
+    join_state_timeout: float = 30.0  # seconds to wait for the region's current model when joining
+    local_overrides: Mapping[str, Any] = field(default_factory=dict)  # manifest-shaped, must agree
+    summary_path: str | None = None  # JSON written at exit (used by worldlm-swarm)
+    trace_dir: str | None = None  # audit trail: pre/post tensors of every region round
+
+    def __post_init__(self) -> None:
+        check_name("region", self.region)
+        if self.run_id is not None:
+            check_name("run id", self.run_id)
+        _require(self.max_steps is None or self.max_steps > 0, "max_steps", "must be a positive integer")
+        _require(self.max_tokens is None or self.max_tokens > 0, "max_tokens", "must be a positive integer")
+        _require(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device",
+                 f"{self.device!r} is not 'auto', 'cpu' or 'cuda[:N]'")
+        _require(self.checkpoint_every > 0, "checkpoint_every", "must be a positive integer")
+        _require(self.keep_checkpoints >= 2, "keep_checkpoints", "must be >= 2 so a corrupt latest one has a fallback")
+        _require(self.progress_interval > 0, "progress_interval", "must be > 0")
+        _require(self.progress_ttl > self.progress_interval, "progress_ttl", "must exceed progress_interval")
+        _require(self.torch_threads is None or self.torch_threads > 0, "torch_threads", "must be a positive integer")

@@ -1,0 +1,7 @@
+"""Networking on hivemind (never imports transformers or datasets).
+
+- ``dht``: multiaddr validation, identity files, joining the DHT with bounded retries.
+- ``records``: signed, schema-validated DHT records (run manifests, peer progress).
+- ``averaging``: the region all-reduce (``RegionAverager``) and late-joiner state download.
+- ``barrier``: waiting for the live peers of a region before a round.
+"""

@@ -1,0 +1,126 @@
+"""Region all-reduce on hivemind's ``DecentralizedAverager``.
+
+One averager per peer, with the prefix ``<run_id>_<region>``: the prefix namespaces matchmaking,
+state donors and RPCs, so peers of different regions (or runs) can never meet in a group
+(hivemind's group bits are rotated after every round and would mix regions; a prefix does not).
+
+The averager holds a copy of the model's tensors. A region round is: copy the local model in,
+``step(weight=...)`` (hivemind computes ``sum w x / sum w`` over the group), copy the result out.
+The math applied around it lives in :mod:`worldlm_p2p.aggregation`.
+
+Late joiners download the region's *last agreed* model (not a donor's in-progress weights) with
+``load_state_from_peers``; donors serve it from :meth:`RegionAverager.get_current_state`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+
+from worldlm_p2p.config import AveragingConfig
+
+logger = logging.getLogger(__name__)
+
+
+def region_prefix(run_id: str, region: str) -> str:
+    return f"{run_id}_{region}"
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """Outcome of one all-reduce attempt."""
+
+    ok: bool
+    group_size: int  # peers in the group, self included (0 if no group was formed)
+    gathered: dict  # peer id (str) -> metadata each member sent
+    averaged: list[torch.Tensor] | None  # the group's weighted mean, if ok
+    error: str = ""
+    seconds: float = 0.0
+
+
+class RegionAverager(DecentralizedAverager):
+    """A ``DecentralizedAverager`` that averages a peer's model inside its region and shares the
+    region's last agreed model with late joiners."""
+
+    def __init__(self, *, tensors: Sequence[torch.Tensor], dht, run_id: str, region: str,
+                 averaging: AveragingConfig, fingerprint: str, start: bool = True) -> None:
+        self._shared_lock = threading.Lock()
+        self._shared_tensors: list[torch.Tensor] = [t.detach().clone() for t in tensors]
+        self._shared_meta: dict[str, Any] = dict(round=0, fingerprint=fingerprint)
+        allreduce_timeout = max(averaging.averaging_timeout - averaging.matchmaking_time, 1.0)
+        super().__init__(
+            averaged_tensors=[t.detach().clone().float() for t in tensors],
+            dht=dht,
+            start=start,
+            prefix=region_prefix(run_id, region),
+            target_group_size=averaging.target_group_size,
+            min_group_size=averaging.min_group_size,
+            min_matchmaking_time=averaging.matchmaking_time,
+            request_timeout=averaging.request_timeout,
+            allreduce_timeout=allreduce_timeout,
+            next_chunk_timeout=min(5.0, allreduce_timeout / 2),
+            sender_timeout=min(5.0, allreduce_timeout / 3),
+            reducer_timeout=min(10.0, allreduce_timeout * 2 / 3),
+            declare_state_period=5.0,
+            allow_state_sharing=True,
+            shutdown_timeout=3.0,
+        )
+        self._timeout = averaging.averaging_timeout
+
+    # ------------------------------------------------------------------ state sharing (host side)
+    def set_shared_state(self, *, round_index: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Publish the region's last agreed model, served to late joiners."""
+        copies = [t.detach().to("cpu", copy=True) for t in tensors]
+        with self._shared_lock:
+            self._shared_tensors = copies
+            self._shared_meta = dict(self._shared_meta, round=int(round_index))
+        self.state_sharing_priority = float(round_index)
+
+    def get_current_state(self):
+        with self._shared_lock:
+            return dict(self._shared_meta), list(self._shared_tensors), None
+
+    # ------------------------------------------------------------------ rounds
+    def run_round(self, tensors: Sequence[torch.Tensor], *, weight: float, gather: dict[str, Any]) -> RoundResult:
+        """All-reduce ``tensors`` with the region's group. Never raises for network failures: a
+        failed round returns ``ok=False`` and the caller keeps its local model."""
+        t0 = time.monotonic()
+        with self.get_tensors() as buffers:
+            for buf, t in zip(buffers, tensors):
+                buf.copy_(t.detach().to(buf.device, buf.dtype))
+        try:
+            result = self.step(weight=float(weight), gather=gather, timeout=self._timeout, allow_retries=True)
+        except Exception as e:  # AllreduceException, TimeoutError, MatchmakingException ...
+            msg = " ".join(str(e).split())[:200] or type(e).__name__
+            return RoundResult(ok=False, group_size=0, gathered={}, averaged=None, error=msg,
+                               seconds=time.monotonic() - t0)
+        if not result:
+            return RoundResult(ok=False, group_size=0, gathered={}, averaged=None, error="no group",
+                               seconds=time.monotonic() - t0)
+        with self.get_tensors() as buffers:
+            averaged = [b.detach().clone() for b in buffers]
+        gathered = {str(pid): meta for pid, meta in result.items()}
+        return RoundResult(ok=True, group_size=len(gathered), gathered=gathered, averaged=averaged,
+                           seconds=time.monotonic() - t0)
+
+    def download_region_state(self, *, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
+        """Load the region's last agreed model from a live peer; ``None`` if none answered in time."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                loaded = self.load_state_from_peers(timeout=max(1.0, min(10.0, deadline - time.monotonic())))
+            except Exception as e:
+                logger.info("state download failed (%s); retrying", type(e).__name__)
+                loaded = None
+            if loaded is not None:
+                meta, tensors = loaded
+                if isinstance(meta, dict):
+                    return meta, list(tensors)
+            time.sleep(0.5)
+        return None

@@ -1,0 +1,71 @@
+"""The region barrier: line up a region's live peers before a round's all-reduce.
+
+hivemind forms a group from the peers that call ``step()`` within one matchmaking window. Peers that
+start at different times (a late joiner, a restarted peer) would otherwise stay out of phase and
+never meet. Before each round a peer therefore publishes ``waiting_for_round = r`` in its progress
+record and waits, for a bounded time, until every *live* peer of its region (a progress record that
+has not expired) waits for the same round. A peer that is waiting for a later round pulls the others
+forward to it; a dead peer stops counting once its record expires, so the barrier is bounded by
+``min(barrier_timeout, progress_ttl)`` after a death. A region with no other live peer trains alone.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from worldlm_p2p.net.records import ProgressRecord
+
+logger = logging.getLogger(__name__)
+
+
+class Action(enum.Enum):
+    GO = "go"  # every live region peer waits for this round: all-reduce now
+    WAIT = "wait"  # some live region peer is still training towards this round
+    ALONE = "alone"  # no other live peer in the region: keep training locally
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    round: int  # the round to run (may be later than asked, to catch up with the region)
+    waiting: int  # other live peers that wait for ``round``
+    live: int  # other live peers of the region
+
+
+def decide(*, my_round: int, others: Sequence[ProgressRecord]) -> Decision:
+    """Pure barrier rule over the other live peers of the region (records of self excluded)."""
+    live = [r for r in others if not r.finished]
+    if not live:
+        return Decision(Action.ALONE, my_round, 0, 0)
+    target = max([my_round] + [r.waiting_for_round for r in live])
+    waiting = sum(1 for r in live if r.waiting_for_round == target)
+    action = Action.GO if waiting == len(live) else Action.WAIT
+    return Decision(action, target, waiting, len(live))
+
+
+def wait_for_region(*, my_round: int, fetch_others: Callable[[], list[ProgressRecord]],
+                    announce: Callable[[int], None], timeout: float, poll: float = 0.25,
+                    should_stop: Callable[[], bool] = lambda: False) -> Decision:
+    """Announce readiness for ``my_round`` and wait until :func:`decide` says GO or ALONE, or until
+    ``timeout``; at the timeout, go ahead with whoever waits (laggards miss this round)."""
+    deadline = time.monotonic() + timeout
+    announce(my_round)
+    decision = decide(my_round=my_round, others=fetch_others())
+    while decision.action is Action.WAIT and time.monotonic() < deadline and not should_stop():
+        if decision.round != my_round:
+            my_round = decision.round
+            announce(my_round)
+        time.sleep(poll)
+        decision = decide(my_round=my_round, others=fetch_others())
+    if decision.round != my_round:
+        announce(decision.round)
+    if decision.action is Action.WAIT:
+        if decision.waiting > 0:
+            logger.info("barrier timeout: going ahead with %d of %d region peers", decision.waiting, decision.live)
+            return Decision(Action.GO, decision.round, decision.waiting, decision.live)
+        return Decision(Action.ALONE, decision.round, 0, decision.live)
+    return decision

@@ -1,0 +1,145 @@
+"""Joining the hivemind DHT: multiaddr validation, identity files, bounded retries.
+
+Pitfalls handled here (see hivemind issues): the default host address is loopback only, the p2p
+daemon can take long to start, and an unreachable bootstrap node must produce one clear error that
+names the address instead of a traceback from the daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from multiaddr import Multiaddr
+
+from worldlm_p2p.config import NetConfig
+from worldlm_p2p.errors import AddressError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def parse_maddrs(values: Iterable[str], *, what: str, require_peer_id: bool) -> tuple[str, ...]:
+    """Validate multiaddrs; return them as canonical strings.
+
+    ``require_peer_id``: initial peers must end with ``/p2p/<peer id>`` so that the DHT knows whom
+    it dials. Raises :class:`AddressError` with the offending address.
+    """
+    out = []
+    for value in values:
+        text = str(value).strip()
+        try:
+            maddr = Multiaddr(text)
+        except Exception as e:  # multiaddr raises several exception types for bad input
+            raise AddressError(f"malformed multiaddr {text!r} in {what}: {e}") from None
+        protocols = [p.name for p in maddr.protocols()]
+        if not any(p in protocols for p in ("ip4", "ip6", "dns", "dns4", "dns6")):
+            raise AddressError(f"multiaddr {text!r} in {what} has no ip4/ip6/dns part")
+        if not any(p in protocols for p in ("tcp", "udp")):
+            raise AddressError(f"multiaddr {text!r} in {what} has no tcp/udp port")
+        if require_peer_id and "p2p" not in protocols:
+            raise AddressError(f"multiaddr {text!r} in {what} lacks the /p2p/<peer id> part; copy the full "
+                               "address that worldlm-bootstrap printed")
+        out.append(str(maddr))
+    return tuple(out)
+
+
+def _rsa_from_der(der: bytes):
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": der})
+    return key
+
+
+def ensure_identity(path: str | Path):
+    """Load the libp2p identity at ``path`` or create it (mode 0600) if missing.
+
+    The same RSA key signs this process's DHT records, so a restarted peer keeps both its peer id
+    and the right to update its own records. Returns a ``hivemind.utils.crypto.RSAPrivateKey``.
+    """
+    from hivemind.proto import crypto_pb2
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"identity {path} is a directory, expected a key file")
+    if not path.exists():
+        if not path.parent.is_dir():
+            raise ConfigError(f"cannot create identity {path}: directory {path.parent} does not exist")
+        key = RSAPrivateKey()
+        blob = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, blob)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        logger.info("created a new identity at %s (mode 0600); keep it private and back it up", path)
+        return key
+    try:
+        blob = path.read_bytes()
+        proto = crypto_pb2.PrivateKey.FromString(blob)
+        if proto.key_type != crypto_pb2.KeyType.RSA:
+            raise ValueError("not an RSA key")
+        key = _rsa_from_der(proto.data)
+    except PermissionError:
+        raise ConfigError(f"cannot read identity {path}: permission denied") from None
+    except Exception as e:
+        raise ConfigError(f"identity {path} is not a valid libp2p RSA key file ({type(e).__name__})") from None
+    if os.stat(path).st_mode & 0o077:
+        logger.warning("identity %s is readable by other users; run: chmod 600 %s", path, path)
+    return key
+
+
+def start_dht(net: NetConfig, *, record_validators: Sequence = (), client_mode: bool = False):
+    """Start a hivemind DHT node that joins ``net.initial_peers``.
+
+    Retries ``net.connect_retries`` times with exponential backoff; then raises
+    :class:`AddressError` naming the bootstrap addresses it could not reach.
+    """
+    from hivemind import DHT
+
+    initial = parse_maddrs(net.initial_peers, what="--initial-peers", require_peer_id=True)
+    host = parse_maddrs(net.host_maddrs, what="--host-maddrs", require_peer_id=False)
+    announce = parse_maddrs(net.announce_maddrs, what="--announce-maddrs", require_peer_id=False)
+    kwargs = dict(
+        initial_peers=list(initial),
+        host_maddrs=list(host),
+        record_validators=list(record_validators),
+        client_mode=client_mode,
+        startup_timeout=net.startup_timeout,
+        # a bootstrap we cannot reach is an error, not a lonely swarm
+        ensure_bootstrap_success=bool(initial),
+    )
+    if announce:
+        kwargs["announce_maddrs"] = list(announce)
+    if net.identity_path:
+        ensure_identity(net.identity_path)
+        kwargs["identity_path"] = str(net.identity_path)
+        kwargs["check_if_identity_free"] = False  # slow; peer ids collide only if a key file is copied
+    delay = net.connect_backoff
+    last_error = ""
+    for attempt in range(net.connect_retries + 1):
+        try:
+            return DHT(start=True, **kwargs)
+        except Exception as e:  # hivemind raises P2PDaemonError, TimeoutError, ...
+            last_error = " ".join(str(e).split())[:200] or type(e).__name__
+            if not initial:
+                raise AddressError(f"could not start the DHT on {', '.join(host)}: {last_error}") from None
+            if attempt < net.connect_retries:
+                logger.warning("could not join the DHT via %s (attempt %d/%d): %s; retrying in %.1fs",
+                               ", ".join(initial), attempt + 1, net.connect_retries + 1, last_error, delay)
+                time.sleep(delay)
+                delay *= 2
+    raise AddressError(f"could not reach bootstrap peer(s) {', '.join(initial)} after "
+                       f"{net.connect_retries + 1} attempts: {last_error}")
+
+
+def visible_maddrs(dht) -> list[str]:
+    """The full multiaddrs (with /p2p/<peer id>) that other processes can use as initial peers."""
+    return [str(m) for m in dht.get_visible_maddrs(latest=True)]

@@ -1,0 +1,229 @@
+"""Signed, schema-validated DHT records: run manifests and peer progress.
+
+Two DHT keys are used per run (hivemind serialises values with msgpack):
+
+- ``worldlm_runs``: one subkey per publisher (a bootstrap node), value = :class:`ManifestRecord`.
+- ``<run_id>_progress``: one subkey per peer, value = :class:`ProgressRecord`.
+
+Every subkey carries its owner's public key (``[owner:<rsa key>]``) and every value is signed by
+hivemind's ``RSASignatureValidator``, so no peer can write into another's subkey; the pydantic
+schemas (``SchemaValidator``) make every DHT node reject records of the wrong shape before storing
+them. On the reading side each record is parsed again into a frozen dataclass; a malformed record is
+logged and skipped, never trusted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import pydantic.v1 as pydantic
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.utils.timed_storage import get_dht_time
+
+from worldlm_p2p.config import RunManifest
+from worldlm_p2p.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+RUNS_PREFIX = "worldlm"
+RUNS_KEY = f"{RUNS_PREFIX}_runs"
+
+_Str = pydantic.constr(strict=True, max_length=256)
+_Count = pydantic.conint(strict=True, ge=0)
+_Float = pydantic.confloat(strict=True, allow_inf_nan=False)
+_NonNegFloat = pydantic.confloat(strict=True, ge=0, allow_inf_nan=False)
+
+
+class _ProgressModel(pydantic.BaseModel):
+    region: _Str
+    peer_id: _Str
+    label: _Str
+    step: _Count
+    tokens: _Count
+    train_loss: _NonNegFloat
+    tokens_per_s: _NonNegFloat
+    rounds_completed: _Count
+    last_group_size: _Count
+    bytes_sent: _Count
+    bytes_received: _Count
+    round: _Count
+    waiting_for_round: pydantic.conint(strict=True, ge=-1)
+    fingerprint: _Str
+    time: _NonNegFloat
+    finished: pydantic.StrictBool
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class _ManifestModel(pydantic.BaseModel):
+    run_id: _Str
+    fingerprint: _Str
+    manifest: pydantic.conbytes(strict=True, max_length=65536)  # msgpack of RunManifest.to_dict()
+    time: _NonNegFloat
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class _RunsSchema(pydantic.BaseModel):
+    runs: dict[BytesWithPublicKey, _ManifestModel]
+
+
+class _ProgressSchema(pydantic.BaseModel):
+    progress: dict[BytesWithPublicKey, _ProgressModel]
+
+
+def make_validators(run_id: str | None, private_key) -> list:
+    """Validators every DHT node of the run must use (also bootstrap nodes, which store records).
+
+    ``private_key``: the identity's RSA key, so a restarted process keeps its records' ownership.
+    """
+    validators: list = [RSASignatureValidator(private_key), SchemaValidator(_RunsSchema, prefix=RUNS_PREFIX)]
+    if run_id is not None:
+        validators.append(SchemaValidator(_ProgressSchema, prefix=run_id))
+    return validators
+
+
+def owner_subkey(validators) -> bytes:
+    for v in validators:
+        if isinstance(v, RSASignatureValidator):
+            return v.local_public_key
+    raise ValueError("no RSASignatureValidator among the validators")
+
+
+def progress_key(run_id: str) -> str:
+    return f"{run_id}_progress"
+
+
+# ----------------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProgressRecord:
+    """What a peer tells the swarm about itself every few seconds."""
+
+    region: str
+    peer_id: str
+    label: str
+    step: int
+    tokens: int
+    train_loss: float
+    tokens_per_s: float
+    rounds_completed: int
+    last_group_size: int
+    bytes_sent: int
+    bytes_received: int
+    round: int  # index of the next region round this peer will take part in
+    waiting_for_round: int  # round index the peer is waiting for at its region barrier, -1 if training
+    fingerprint: str  # run manifest fingerprint
+    time: float
+    finished: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in ("train_loss", "tokens_per_s", "time"):
+            v = float(d[k])
+            d[k] = v if math.isfinite(v) and v >= 0 else 0.0
+        for k in ("step", "tokens", "rounds_completed", "last_group_size", "bytes_sent", "bytes_received", "round"):
+            d[k] = int(d[k])
+        d["waiting_for_round"] = int(d["waiting_for_round"])
+        d["finished"] = bool(d["finished"])
+        return d
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "ProgressRecord":
+        """Parse and validate; raises ``ValueError`` on anything malformed."""
+        if not isinstance(value, Mapping):
+            raise ValueError(f"progress record must be a map, got {type(value).__name__}")
+        try:
+            parsed = _ProgressModel.parse_obj(dict(value))
+        except pydantic.ValidationError as e:
+            raise ValueError(" ".join(str(e).split())) from None
+        return cls(**parsed.dict())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ManifestRecord:
+    run_id: str
+    fingerprint: str
+    manifest: RunManifest
+    time: float
+
+    def to_wire(self) -> dict[str, Any]:
+        from hivemind.utils.serializer import MSGPackSerializer
+
+        return dict(run_id=self.run_id, fingerprint=self.fingerprint,
+                    manifest=MSGPackSerializer.dumps(self.manifest.to_dict()), time=float(self.time))
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "ManifestRecord":
+        from hivemind.utils.serializer import MSGPackSerializer
+
+        if not isinstance(value, Mapping):
+            raise ValueError("manifest record must be a map")
+        try:
+            parsed = _ManifestModel.parse_obj(dict(value))
+            manifest = RunManifest.from_dict(MSGPackSerializer.loads(parsed.manifest))
+        except pydantic.ValidationError as e:
+            raise ValueError(" ".join(str(e).split())) from None
+        except ConfigError as e:
+            raise ValueError(f"invalid manifest: {e}") from None
+        except Exception as e:  # msgpack errors
+            raise ValueError(f"undecodable manifest: {type(e).__name__}") from None
+        if manifest.fingerprint() != parsed.fingerprint or manifest.run_id != parsed.run_id:
+            raise ValueError("manifest fingerprint or run id does not match its content")
+        return cls(run_id=parsed.run_id, fingerprint=parsed.fingerprint, manifest=manifest, time=parsed.time)
+
+
+# ----------------------------------------------------------------------------------- DHT I/O
+
+
+def _entries(result) -> dict:
+    if result is None or not isinstance(result.value, dict):
+        return {}
+    return result.value
+
+
+def publish_manifest(dht, validators, manifest: RunManifest, *, ttl: float) -> bool:
+    record = ManifestRecord(run_id=manifest.run_id, fingerprint=manifest.fingerprint(), manifest=manifest,
+                            time=get_dht_time())
+    return bool(dht.store(RUNS_KEY, record.to_wire(), expiration_time=get_dht_time() + ttl,
+                          subkey=owner_subkey(validators)))
+
+
+def fetch_manifests(dht) -> list[ManifestRecord]:
+    """All valid manifest records currently in the DHT (invalid ones are logged and skipped)."""
+    out = []
+    for subkey, item in _entries(dht.get(RUNS_KEY, latest=True)).items():
+        try:
+            out.append(ManifestRecord.from_wire(item.value))
+        except ValueError as e:
+            logger.warning("rejected a run manifest record from %s: %s", _short(subkey), e)
+    return out
+
+
+def publish_progress(dht, validators, run_id: str, record: ProgressRecord, *, ttl: float) -> bool:
+    return bool(dht.store(progress_key(run_id), record.to_wire(), expiration_time=get_dht_time() + ttl,
+                          subkey=owner_subkey(validators), return_future=False))
+
+
+def fetch_progress(dht, run_id: str) -> list[ProgressRecord]:
+    """Live progress records of a run (expired ones are gone; malformed ones are logged and skipped)."""
+    out = []
+    for subkey, item in _entries(dht.get(progress_key(run_id), latest=True)).items():
+        try:
+            out.append(ProgressRecord.from_wire(item.value))
+        except ValueError as e:
+            logger.warning("rejected a progress record from %s: %s", _short(subkey), e)
+    return out
+
+
+def _short(subkey) -> str:
+    text = subkey.decode(errors="replace") if isinstance(subkey, bytes) else str(subkey)
+    return text[-16:]

@@ -1,0 +1,401 @@
+"""The peer: the one orchestrator that knows every layer.
+
+Lifecycle of :class:`Peer`:
+
+1. check the data path (before touching the network), join the DHT with bounded retries;
+2. fetch the run manifest from the DHT, refuse to start if local settings contradict it;
+3. build tokenizer, data and the manifest's model (same seed on every peer: a common init);
+4. resume from the latest valid checkpoint, or else load the region's current model from a live
+   region peer (late join), or else start from the common init;
+5. train; every H inner steps take part in a region round (barrier, then all-reduce weighted by
+   the tokens trained since the last round); publish a signed progress record every few seconds;
+   checkpoint atomically every ``checkpoint_every`` steps and at exit;
+6. on stop (max steps/tokens, SIGINT/SIGTERM): final checkpoint, held-out loss, summary, shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worldlm_p2p import aggregation
+from worldlm_p2p.checkpoint import load_latest_checkpoint, save_checkpoint
+from worldlm_p2p.config import PeerConfig, RunManifest, manifest_conflicts
+from worldlm_p2p.errors import CheckpointError, DataError, ManifestError
+from worldlm_p2p.net import barrier, records
+from worldlm_p2p.net.averaging import RegionAverager
+from worldlm_p2p.net.dht import ensure_identity, start_dht
+from worldlm_p2p.train import (LocalTrainer, build_model, get_flat_params, load_texts, load_tokenizer,
+                               resolve_device, set_params, tokenize_splits)
+
+logger = logging.getLogger(__name__)
+
+
+def fetch_run_manifest(dht, *, run_id: str | None, wait: float, should_stop=lambda: False) -> RunManifest:
+    """Wait up to ``wait`` seconds for the run manifest in the DHT and return it.
+
+    Raises :class:`ManifestError` if none appears, if several runs exist and ``run_id`` is not
+    given, or if publishers disagree about the run's manifest."""
+    deadline = time.monotonic() + wait
+    seen: list[records.ManifestRecord] = []
+    while True:
+        seen = records.fetch_manifests(dht)
+        matching = [r for r in seen if run_id is None or r.run_id == run_id]
+        if matching:
+            runs = sorted({r.run_id for r in matching})
+            if len(runs) > 1:
+                raise ManifestError(f"several runs are published ({', '.join(runs)}); choose one with --run-id")
+            prints = sorted({r.fingerprint for r in matching})
+            if len(prints) > 1:
+                raise ManifestError(f"bootstrap nodes publish different manifests for run {runs[0]!r} "
+                                    f"(fingerprints {', '.join(prints)})")
+            return matching[0].manifest
+        if time.monotonic() >= deadline or should_stop():
+            break
+        time.sleep(0.5)
+    if run_id is not None and seen:
+        raise ManifestError(f"run {run_id!r} is not published in the DHT (found: "
+                            f"{', '.join(sorted({r.run_id for r in seen}))})")
+    raise ManifestError(f"no run manifest found in the DHT within {wait:.0f}s; start worldlm-bootstrap "
+                        "with --run-config, or check --initial-peers")
+
+
+@dataclass
+class PeerStats:
+    step: int = 0
+    tokens: int = 0
+    tokens_since_round: int = 0
+    round: int = 0  # next region round index
+    rounds_completed: int = 0
+    rounds_failed: int = 0
+    group_sizes: list[int] = field(default_factory=list)
+    round_seconds: list[float] = field(default_factory=list)
+    first_train_loss: float | None = None
+    last_train_loss: float = float("nan")
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    waiting_for_round: int = -1
+    seconds_to_first_round: float | None = None
+    initial_step: int = 0
+    initial_tokens: int = 0
+    started_from: str = "init"
+
+
+class Peer:
+    """A WorldLM peer. Construct, then :meth:`run` (blocking) and always :meth:`shutdown`."""
+
+    def __init__(self, *, config: PeerConfig) -> None:
+        self.config = config
+        self.stats = PeerStats()
+        self._stop = threading.Event()
+        self._dht = None
+        self._averager: RegionAverager | None = None
+        self._publisher: threading.Thread | None = None
+        self._dht_lock = threading.Lock()
+        self._validators: list = []
+        self.manifest: RunManifest | None = None
+        self.peer_id = ""
+        self.label = config.label or Path(config.data).name or config.region
+        self._started = time.monotonic()
+        self._train_started: float | None = None
+
+    # ------------------------------------------------------------------ control
+    def stop(self) -> None:
+        """Ask :meth:`run` to finish the current step and exit cleanly (signal-safe)."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> None:
+        cfg = self.config
+        splits = load_texts(cfg.data)  # fail on bad data before touching the network
+        key = ensure_identity(cfg.net.identity_path) if cfg.net.identity_path else None
+        if key is None:
+            from hivemind.utils.crypto import RSAPrivateKey
+
+            key = RSAPrivateKey()
+        # the run id is known only after the manifest is fetched; start with the runs schema and
+        # add the progress schema once the run is known
+        self._validators = records.make_validators(None, key)
+        self._dht = start_dht(cfg.net, record_validators=self._validators)
+        self.peer_id = str(self._dht.peer_id)
+        self.manifest = fetch_run_manifest(self._dht, run_id=cfg.run_id, wait=cfg.manifest_wait,
+                                           should_stop=self._stop.is_set)
+        conflicts = manifest_conflicts(self.manifest, cfg.local_overrides)
+        if conflicts:
+            more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
+            raise ManifestError(f"local setting contradicts the run manifest: {conflicts[0]}{more}")
+        run_validators = records.make_validators(self.manifest.run_id, key)
+        self._dht.add_validators(run_validators[2:])
+        logger.info("joined run %s (manifest %s) as %s in region %s", self.manifest.run_id,
+                    self.manifest.fingerprint(), self.peer_id, cfg.region)
+
+        m = self.manifest
+        self.tokenizer = load_tokenizer(m.tokenizer)
+        self.data = tokenize_splits(splits, self.tokenizer)
+        if self.data.train.numel() < m.train.seq_len + 1:
+            raise DataError(f"data {cfg.data} has {self.data.train.numel()} tokens, fewer than one "
+                            f"training window of {m.train.seq_len + 1}")
+        self.device = resolve_device(cfg.device)
+        self.model = build_model(m.model, vocab_size=self.tokenizer.vocab_size, seed=m.train.seed).to(self.device)
+        data_seed = zlib.crc32(f"{m.train.seed}/{cfg.region}/{self.label}".encode())
+        self.trainer = LocalTrainer(model=self.model, train=m.train, data=self.data, device=self.device,
+                                    seed=data_seed)
+        self._anchor = [p.detach().to("cpu", copy=True) for p in get_flat_params(self.model)]
+        self._param_bytes = sum(t.numel() * 4 for t in self._anchor)
+
+        resumed = self._maybe_resume()
+        self._averager = RegionAverager(tensors=self._anchor, dht=self._dht, run_id=m.run_id,
+                                        region=cfg.region, averaging=m.averaging, fingerprint=m.fingerprint())
+        if not resumed:
+            self._maybe_join_region()
+        self._averager.set_shared_state(round_index=self.stats.round, tensors=self._anchor)
+        self._publish_progress()
+        self._publisher = threading.Thread(target=self._publish_loop, name="progress", daemon=True)
+        self._publisher.start()
+
+    def _maybe_resume(self) -> bool:
+        cfg, m = self.config, self.manifest
+        if not cfg.checkpoint_dir:
+            return False
+        loaded = load_latest_checkpoint(cfg.checkpoint_dir)
+        if loaded is None:
+            return False
+        for path, why in loaded.skipped:
+            logger.warning("checkpoint %s is unusable (%s); resumed from %s instead", path, why, loaded.path)
+        p = loaded.payload
+        if p.get("fingerprint") != m.fingerprint():
+            raise CheckpointError(f"checkpoint {loaded.path} belongs to another run manifest "
+                                  f"({p.get('run_id')}, {p.get('fingerprint')}); use another --checkpoint-dir")
+        try:
+            self.model.load_state_dict(p["model"])
+            self.trainer.load_state_dict(p["optimizer"])
+            self._anchor = [t.to("cpu") for t in p["anchor"]]
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {loaded.path} does not fit this model: {type(e).__name__}") from None
+        s = self.stats
+        for k in ("step", "tokens", "round", "rounds_completed", "rounds_failed", "bytes_sent", "bytes_received",
+                  "tokens_since_round", "first_train_loss"):
+            if k in p["stats"]:
+                setattr(s, k, p["stats"][k])
+        s.group_sizes = list(p["stats"].get("group_sizes", []))
+        s.initial_step, s.initial_tokens, s.started_from = s.step, s.tokens, "checkpoint"
+        logger.info("resumed from checkpoint %s at step %d (%d tokens, %d rounds)", loaded.path, s.step, s.tokens,
+                    s.rounds_completed)
+        return True
+
+    def _other_region_records(self) -> list[records.ProgressRecord]:
+        with self._dht_lock:
+            recs = records.fetch_progress(self._dht, self.manifest.run_id)
+        return [r for r in recs if r.region == self.config.region and r.peer_id != self.peer_id
+                and r.fingerprint == self.manifest.fingerprint()]
+
+    def _maybe_join_region(self) -> None:
+        others = [r for r in self._other_region_records() if not r.finished]
+        if not others:
+            logger.info("no live peer in region %s yet: starting from the run's common initialisation",
+                        self.config.region)
+            return
+        logger.info("region %s has %d live peer(s): loading its current model", self.config.region, len(others))
+        loaded = self._averager.download_region_state(timeout=self.config.join_state_timeout)
+        if loaded is None:
+            logger.warning("could not download the region's model within %.0fs; starting from the common "
+                           "initialisation", self.config.join_state_timeout)
+            return
+        meta, tensors = loaded
+        if meta.get("fingerprint") != self.manifest.fingerprint() or len(tensors) != len(self._anchor) or any(
+                a.shape != b.shape for a, b in zip(tensors, self._anchor)):
+            logger.warning("rejected region state from a peer: it does not match this run's model")
+            return
+        self._anchor = [t.detach().to("cpu", torch.float32).clone() for t in tensors]
+        set_params(self.model, self._anchor)
+        self.stats.round = int(meta.get("round", 0))
+        self.stats.started_from = "region"
+        self._trace("join", dict(meta=meta, tensors=self._anchor))
+        logger.info("loaded the region model of round %d from a peer", self.stats.round)
+
+    # ------------------------------------------------------------------ progress records
+    def _record(self) -> records.ProgressRecord:
+        s = self.stats
+        elapsed = time.monotonic() - self._train_started if self._train_started else 0.0
+        tps = (s.tokens - s.initial_tokens) / elapsed if elapsed > 0 else 0.0
+        loss = s.last_train_loss if math.isfinite(s.last_train_loss) else 0.0
+        return records.ProgressRecord(
+            region=self.config.region, peer_id=self.peer_id, label=self.label[:256], step=s.step, tokens=s.tokens,
+            train_loss=loss, tokens_per_s=tps, rounds_completed=s.rounds_completed,
+            last_group_size=s.group_sizes[-1] if s.group_sizes else 0, bytes_sent=s.bytes_sent,
+            bytes_received=s.bytes_received, round=s.round, waiting_for_round=s.waiting_for_round,
+            fingerprint=self.manifest.fingerprint(), time=time.time(), finished=self._stop.is_set())
+
+    def _publish_progress(self) -> None:
+        try:
+            with self._dht_lock:
+                records.publish_progress(self._dht, self._validators, self.manifest.run_id, self._record(),
+                                         ttl=self.config.progress_ttl)
+        except Exception as e:  # the DHT may be shutting down
+            logger.debug("could not publish progress: %s", e)
+
+    def _publish_loop(self) -> None:
+        while not self._stop.wait(self.config.progress_interval):
+            self._publish_progress()
+
+    # ------------------------------------------------------------------ rounds
+    def _region_round(self) -> None:
+        s, m = self.stats, self.manifest
+
+        def announce(r: int) -> None:
+            s.waiting_for_round = r
+            self._publish_progress()
+
+        decision = barrier.wait_for_region(my_round=s.round, fetch_others=self._other_region_records,
+                                           announce=announce, timeout=m.averaging.barrier_timeout,
+                                           should_stop=self._stop.is_set)
+        s.round = decision.round
+        if decision.action is barrier.Action.ALONE or self._stop.is_set():
+            logger.info("round %d: no other live peer in region %s, training on locally", s.round,
+                        self.config.region)
+            s.waiting_for_round = -1
+            s.round += 1
+            return
+        pre = [p.detach().to("cpu", copy=True) for p in get_flat_params(self.model)]
+        weight = aggregation.round_weight(s.tokens_since_round)
+        result = self._averager.run_round(pre, weight=weight, gather=dict(
+            label=self.label, weight=weight, tokens=s.tokens_since_round, round=s.round))
+        if result.ok:
+            new = aggregation.outer_step(self._anchor, result.averaged, m.aggregation.outer_lr)
+            set_params(self.model, new)
+            self._anchor = [t.detach().to("cpu", copy=True) for t in new]
+            s.rounds_completed += 1
+            s.group_sizes.append(result.group_size)
+            s.round_seconds.append(result.seconds)
+            sent, received = aggregation.allreduce_traffic(self._param_bytes, result.group_size)
+            s.bytes_sent += sent
+            s.bytes_received += received
+            s.tokens_since_round = 0
+            if s.seconds_to_first_round is None:
+                s.seconds_to_first_round = time.monotonic() - self._started
+            self._averager.set_shared_state(round_index=s.round + 1, tensors=self._anchor)
+            logger.info("round %d: averaged with %d peers in %.2fs (weight %.0f)", s.round, result.group_size,
+                        result.seconds, weight)
+        else:
+            s.rounds_failed += 1
+            logger.warning("round %d: all-reduce failed (%s); keeping the local model", s.round, result.error)
+        self._trace(f"round-{s.round:05d}", dict(ok=result.ok, weight=weight, pre=pre, gathered=result.gathered,
+                                                 post=[p.detach().to("cpu", copy=True) for p in
+                                                       get_flat_params(self.model)]))
+        s.round += 1
+        s.waiting_for_round = -1
+        self._publish_progress()
+
+    def _trace(self, name: str, payload: dict[str, Any]) -> None:
+        if not self.config.trace_dir:
+            return
+        path = Path(self.config.trace_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / f".{self.label}-{name}.tmp"
+        torch.save(dict(payload, peer_id=self.peer_id, label=self.label, step=self.stats.step), tmp)
+        os.replace(tmp, path / f"{self.label}-{name}.pt")
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint(self) -> None:
+        if not self.config.checkpoint_dir:
+            return
+        s = self.stats
+        payload = dict(
+            run_id=self.manifest.run_id, fingerprint=self.manifest.fingerprint(), region=self.config.region,
+            model={k: v.detach().to("cpu") for k, v in self.model.state_dict().items()},
+            optimizer=self.trainer.state_dict(), anchor=self._anchor,
+            stats=dict(step=s.step, tokens=s.tokens, round=s.round, rounds_completed=s.rounds_completed,
+                       rounds_failed=s.rounds_failed, bytes_sent=s.bytes_sent, bytes_received=s.bytes_received,
+                       tokens_since_round=s.tokens_since_round, first_train_loss=s.first_train_loss,
+                       group_sizes=list(s.group_sizes)),
+        )
+        path = save_checkpoint(self.config.checkpoint_dir, step=s.step, payload=payload,
+                               keep=self.config.keep_checkpoints)
+        logger.info("checkpoint written: %s", path)
+
+    # ------------------------------------------------------------------ main loop
+    def _done(self) -> bool:
+        cfg, s = self.config, self.stats
+        return (cfg.max_steps is not None and s.step >= cfg.max_steps) or (
+            cfg.max_tokens is not None and s.tokens >= cfg.max_tokens)
+
+    def run(self) -> dict[str, Any]:
+        """Set up, train until a limit or :meth:`stop`, and return the summary."""
+        self._setup()
+        cfg, s, m = self.config, self.stats, self.manifest
+        H = m.train.inner_steps
+        self._train_started = time.monotonic()
+        logger.info("training %s on %s: %d train tokens, %d valid tokens, device %s", m.model.preset, cfg.data,
+                    self.data.train.numel(), self.data.valid.numel(), self.device)
+        last_ckpt = s.step
+        while not self._stop.is_set() and not self._done():
+            result = self.trainer.train_step(s.step)
+            s.step += 1
+            s.tokens += result.tokens
+            s.tokens_since_round += result.tokens
+            s.last_train_loss = result.loss
+            if s.first_train_loss is None:
+                s.first_train_loss = result.loss
+            if s.step % H == 0:
+                self._region_round()
+            if s.step - last_ckpt >= cfg.checkpoint_every:
+                self._checkpoint()
+                last_ckpt = s.step
+        if s.step != last_ckpt or (cfg.checkpoint_dir and s.step == 0):
+            self._checkpoint()
+        self._stop.set()
+        self._publish_progress()  # finished=True: barriers stop waiting for us
+        return self.summary(final_eval=True)
+
+    def summary(self, *, final_eval: bool = False) -> dict[str, Any]:
+        s = self.stats
+        out = dict(
+            region=self.config.region, label=self.label, peer_id=self.peer_id, data=str(self.config.data),
+            started_from=s.started_from, initial_step=s.initial_step, steps=s.step, tokens=s.tokens,
+            rounds_completed=s.rounds_completed, rounds_failed=s.rounds_failed, group_sizes=list(s.group_sizes),
+            round_seconds=[round(x, 4) for x in s.round_seconds], seconds_to_first_round=s.seconds_to_first_round,
+            first_train_loss=s.first_train_loss,
+            last_train_loss=s.last_train_loss if math.isfinite(s.last_train_loss) else None,
+            tokens_per_s=self._record().tokens_per_s if self.manifest else 0.0,
+            bytes_sent=s.bytes_sent, bytes_received=s.bytes_received,
+        )
+        if final_eval and self.manifest is not None:
+            out["valid_loss"] = self.trainer.evaluate()
+        if self.config.summary_path:
+            path = Path(self.config.summary_path)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps(out, indent=2))
+            os.replace(tmp, path)
+        return out
+
+    def shutdown(self) -> None:
+        """Stop background processes (averager, DHT and its p2p daemon). Safe to call twice."""
+        self._stop.set()
+        if self._publisher is not None:
+            self._publisher.join(timeout=5)
+        if self._averager is not None:
+            try:
+                self._averager.shutdown()
+            except Exception as e:
+                logger.debug("averager shutdown: %s", e)
+            self._averager = None
+        if self._dht is not None:
+            try:
+                self._dht.shutdown()
+            except Exception as e:
+                logger.debug("DHT shutdown: %s", e)
+            self._dht = None
