@@ -352,7 +352,7 @@ class Peer:
                 s.first_train_loss = result.loss
             if s.step % H == 0:
                 self._region_round()
-            if s.step - last_ckpt >= cfg.checkpoint_every:
+            if s.step % cfg.checkpoint_every == 0:
                 self._checkpoint()
                 last_ckpt = s.step
         if s.step != last_ckpt or (cfg.checkpoint_dir and s.step == 0):

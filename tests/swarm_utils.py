@@ -1,0 +1,159 @@
+"""Helpers for network tests: real CLI processes on 127.0.0.1, bounded waits, guaranteed cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "worldlm_p2p" / "demo_data"
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+FAST_RUN = """
+run_id = "{run_id}"
+[model]
+preset = "tiny"
+[train]
+inner_steps = {inner_steps}
+batch_size = 4
+seq_len = 64
+eval_tokens = 2048
+[averaging]
+matchmaking_time = 1.5
+request_timeout = 0.5
+averaging_timeout = 15.0
+barrier_timeout = 30.0
+"""
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", WORLDLM_LOGLEVEL="INFO")
+    return e
+
+
+class Procs:
+    """Tracks started processes; ``close()`` kills their whole process groups (p2pd included)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], log: Path | None = None, **kw) -> subprocess.Popen:
+        out = open(log, "wb") if log else subprocess.PIPE
+        p = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT if log else
+                             subprocess.PIPE, env=env(), start_new_session=True, cwd=REPO, **kw)
+        self.procs.append(p)
+        return p
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 20
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def wait_for(cond: Callable[[], object], timeout: float, what: str, poll: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def start_bootstrap(procs: Procs, tmp: Path, *, run_id: str = "t", inner_steps: int = 5,
+                    timeout: float = 60) -> tuple[subprocess.Popen, list[str]]:
+    run = tmp / "run.toml"
+    run.write_text(FAST_RUN.format(run_id=run_id, inner_steps=inner_steps))
+    p = procs.start(["worldlm_p2p.cli.bootstrap", "--run-config", str(run), "--host-maddrs", LOOPBACK])
+    line = p.stdout.readline().decode()
+    maddrs = [t for t in line.split() if "/p2p/" in t]
+    assert maddrs, f"bootstrap printed {line!r}"
+    import threading
+
+    threading.Thread(target=lambda: [None for _ in iter(p.stdout.readline, b"")], daemon=True).start()
+    threading.Thread(target=lambda: [None for _ in iter(p.stderr.readline, b"")], daemon=True).start()
+    return p, maddrs
+
+
+def start_peer(procs: Procs, tmp: Path, maddrs: list[str], *, region: str, sub: str, label: str,
+               max_steps: int, extra: list[str] = ()) -> subprocess.Popen:
+    """``sub``: a demo sub-corpus as ``<region>/<name>`` or, for the peer's own region, ``<name>``."""
+    (tmp / "logs").mkdir(exist_ok=True)
+    args = ["worldlm_p2p.cli.peer", "--region", region, "--data", str(DEMO / sub if "/" in sub else DEMO / region / sub), "--label", label,
+            "--initial-peers", *maddrs, "--max-steps", str(max_steps), "--threads", "1",
+            "--summary", str(tmp / f"{label}.json"), "--trace-dir", str(tmp / "trace"), *extra]
+    return procs.start(args, log=tmp / "logs" / f"{label}.log")
+
+
+def summary(tmp: Path, label: str) -> dict:
+    return json.loads((tmp / f"{label}.json").read_text())
+
+
+def trace(tmp: Path, label: str, name: str) -> dict:
+    return torch.load(tmp / "trace" / f"{label}-{name}.pt", weights_only=False)
+
+
+def traces(tmp: Path, label: str) -> dict[int, dict]:
+    out = {}
+    for p in sorted((tmp / "trace").glob(f"{label}-round-*.pt")):
+        out[int(p.stem.rsplit("-", 1)[1])] = torch.load(p, weights_only=False)
+    return out
+
+
+def log_tail(tmp: Path, label: str, n: int = 15) -> str:
+    try:
+        return "\n".join((tmp / "logs" / f"{label}.log").read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def max_abs_diff(xs, ys) -> float:
+    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(xs, ys))
+
+
+class ProgressReader:
+    """A client-mode DHT node that reads the run's progress records (never joins a group)."""
+
+    def __init__(self, maddrs: list[str], run_id: str) -> None:
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        from worldlm_p2p.config import NetConfig
+        from worldlm_p2p.net import records
+        from worldlm_p2p.net.dht import start_dht
+
+        self.run_id = run_id
+        self._records = records
+        self.dht = start_dht(NetConfig(initial_peers=tuple(maddrs)),
+                             record_validators=records.make_validators(run_id, RSAPrivateKey()), client_mode=True)
+
+    def by_label(self) -> dict:
+        return {r.label: r for r in self._records.fetch_progress(self.dht, self.run_id)}
+
+    def close(self) -> None:
+        self.dht.shutdown()

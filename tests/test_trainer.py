@@ -1,0 +1,179 @@
+"""The local trainer: learning on demo data, determinism, evaluation, resume, parameter access."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from worldlm_p2p.config import MODEL_PRESETS, ModelConfig, TrainConfig
+from worldlm_p2p.errors import CheckpointError, DataError
+from worldlm_p2p.train.data import TextSplits, TokenData, demo_data_dir, load_texts, tokenize_splits
+from worldlm_p2p.train.model import build_model
+from worldlm_p2p.train.tokenizer import ByteTokenizer
+from worldlm_p2p.train.trainer import LocalTrainer, bits_per_byte, get_flat_params, lr_at, set_params
+
+CPU = torch.device("cpu")
+TRAIN = TrainConfig(batch_size=8, seq_len=64, lr=3e-3, warmup_steps=5, eval_tokens=2048)
+SMALL = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64, max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def demo_tokens() -> TokenData:
+    return tokenize_splits(load_texts(demo_data_dir() / "na" / "en_email"), ByteTokenizer(), seq_len=64)
+
+
+def _trainer(data: TokenData, *, cfg: ModelConfig = SMALL, seed: int = 0, model_seed: int = 0,
+             train: TrainConfig = TRAIN) -> LocalTrainer:
+    model = build_model(cfg, vocab_size=259, seed=model_seed)
+    return LocalTrainer(model=model, train=train, data=data, device=CPU, seed=seed)
+
+
+def test_tiny_model_learns_demo_data(demo_tokens: TokenData) -> None:
+    trainer = _trainer(demo_tokens, cfg=MODEL_PRESETS["tiny"])
+    before = trainer.evaluate()
+    assert abs(before - math.log(259)) < 0.3  # near-uniform at init: ln 259 = 5.557
+    losses = [trainer.train_step(step).loss for step in range(30)]
+    after = trainer.evaluate()
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0
+    assert after < before - 1.0
+    # bits per byte of the byte model: tokens == bytes, so it is just nats / ln 2
+    assert bits_per_byte(after, bytes_per_token=demo_tokens.valid_bytes_per_token) == pytest.approx(after / math.log(2))
+
+
+def test_same_seed_same_params(demo_tokens: TokenData) -> None:
+    a, b = _trainer(demo_tokens), _trainer(demo_tokens)
+    c = _trainer(demo_tokens, seed=1)  # same init, different batches
+    for step in range(3):
+        ra, rb = a.train_step(step), b.train_step(step)
+        c.train_step(step)
+        assert ra.loss == rb.loss
+        assert ra.tokens == 8 * 64
+    pa, pb, pc = get_flat_params(a.model), get_flat_params(b.model), get_flat_params(c.model)
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
+    assert not all(torch.equal(x, z) for x, z in zip(pa, pc, strict=True))
+
+
+def test_evaluate_is_deterministic_and_restores_mode(demo_tokens: TokenData) -> None:
+    trainer = _trainer(demo_tokens)
+    trainer.train_step(0)
+    first = trainer.evaluate()
+    assert trainer.model.training
+    assert trainer.evaluate() == first
+    trainer.model.eval()
+    assert trainer.evaluate() == first
+    assert not trainer.model.training
+
+
+def test_evaluate_of_a_zero_model_is_ln_vocab(demo_tokens: TokenData) -> None:
+    # all-zero weights => zero logits => uniform prediction => cross-entropy exactly ln 259
+    trainer = _trainer(demo_tokens)
+    set_params(trainer.model, [torch.zeros_like(p) for p in trainer.model.parameters()])
+    assert trainer.evaluate() == pytest.approx(math.log(259), abs=1e-5)
+
+
+def test_evaluate_matches_a_direct_computation() -> None:
+    valid = torch.tensor([5, 7, 9, 11, 13, 257] * 20)  # 120 tokens -> 7 windows of 16
+    data = TokenData(train=torch.arange(100) % 259, valid=valid, train_bytes=100, valid_bytes=120)
+    train = dataclasses.replace(TRAIN, seq_len=16, batch_size=3, eval_tokens=0)
+    trainer = _trainer(data, train=train)
+    model = trainer.model
+    with torch.no_grad():
+        nll = []
+        for i in range(7):
+            window = valid[i * 16 : i * 16 + 17]
+            logp = torch.log_softmax(model(input_ids=window[None, :-1]).logits[0].double(), dim=-1)
+            nll.extend((-logp[torch.arange(16), window[1:]]).tolist())
+    assert trainer.evaluate() == pytest.approx(sum(nll) / len(nll), rel=1e-5)
+
+
+def test_no_validation_data_gives_nan() -> None:
+    empty = torch.empty(0, dtype=torch.long)
+    data = TokenData(train=torch.arange(200) % 259, valid=empty, train_bytes=200, valid_bytes=0)
+    assert math.isnan(_trainer(data).evaluate())
+
+
+def test_too_little_training_data() -> None:
+    splits = TextSplits(train=["abc"], valid=[], source="test")
+    data = tokenize_splits(splits, ByteTokenizer())
+    with pytest.raises(DataError, match="fewer than train.seq_len"):
+        _trainer(data)
+
+
+def test_lr_schedule_and_param_groups(demo_tokens: TokenData) -> None:
+    assert [lr_at(s, TRAIN) for s in (0, 1, 4, 5, 100)] == pytest.approx([6e-4, 1.2e-3, 3e-3, 3e-3, 3e-3])
+    assert lr_at(0, dataclasses.replace(TRAIN, warmup_steps=0)) == 3e-3
+    trainer = _trainer(demo_tokens)
+    assert trainer.train_step(1).lr == pytest.approx(1.2e-3)
+    decay, no_decay = trainer.optimizer.param_groups
+    assert decay["weight_decay"] == TRAIN.weight_decay and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"])
+    assert len(no_decay["params"]) == 2 * SMALL.num_layers + 1  # two RMSNorms per layer + final norm
+    assert trainer.optimizer.defaults["betas"] == (TRAIN.beta1, TRAIN.beta2)
+
+
+def test_grad_clip_zero_disables_clipping(demo_tokens: TokenData) -> None:
+    clipped = _trainer(demo_tokens).train_step(0)
+    assert math.isfinite(clipped.grad_norm) and clipped.grad_norm > 0
+    unclipped = _trainer(demo_tokens, train=dataclasses.replace(TRAIN, grad_clip=0.0)).train_step(0)
+    assert math.isnan(unclipped.grad_norm)
+
+
+def test_resume_from_state_matches_uninterrupted(demo_tokens: TokenData) -> None:
+    a = _trainer(demo_tokens)
+    for step in range(3):
+        a.train_step(step)
+    model_state = {k: v.clone() for k, v in a.model.state_dict().items()}
+    opt_state = a.state_dict()
+    b = _trainer(demo_tokens, model_seed=99)  # different init, overwritten below
+    b.model.load_state_dict(model_state)
+    b.load_state_dict(opt_state)
+    for step in (3, 4):
+        assert a.train_step(step).loss == b.train_step(step).loss
+    assert all(torch.equal(x, y) for x, y in zip(get_flat_params(a.model), get_flat_params(b.model), strict=True))
+
+
+def test_load_state_dict_of_another_model(demo_tokens: TokenData) -> None:
+    other = _trainer(demo_tokens, cfg=dataclasses.replace(SMALL, num_layers=1))
+    other.train_step(0)
+    with pytest.raises(CheckpointError, match="optimizer state does not fit"):
+        _trainer(demo_tokens).load_state_dict(other.state_dict())
+
+
+def test_get_and_set_params() -> None:
+    model = build_model(SMALL, vocab_size=259, seed=0)
+    params = list(model.parameters())
+    flat = get_flat_params(model)
+    assert len(flat) == len(params)  # tied embedding appears once
+    assert [t.shape for t in flat] == [p.shape for p in params]
+    with torch.no_grad():
+        params[0].add_(1.0)
+    assert not torch.equal(flat[0], params[0])  # a snapshot, not a view
+    set_params(model, flat)
+    assert torch.equal(params[0], flat[0])
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    set_params(model, [torch.full_like(t, 0.5, dtype=torch.float64) for t in flat])
+    assert all(bool((p == 0.5).all()) and p.dtype == torch.float32 for p in model.parameters())
+    with pytest.raises(ValueError, match="tensors for"):
+        set_params(model, flat[:-1])
+    with pytest.raises(ValueError, match="shape"):
+        set_params(model, [torch.zeros(1)] + flat[1:])
+
+
+def test_non_finite_loss_skips_the_update(demo_tokens: TokenData) -> None:
+    trainer = _trainer(demo_tokens)
+    with torch.no_grad():
+        trainer.model.model.norm.weight.fill_(float("nan"))
+    before = get_flat_params(trainer.model)
+    result = trainer.train_step(0)
+    assert result.skipped and math.isnan(result.loss)
+    after = get_flat_params(trainer.model)
+    torch.testing.assert_close(after, before, rtol=0, atol=0, equal_nan=True)  # bit-identical
+    assert not trainer.optimizer.state  # AdamW never stepped
+
+
+def test_bits_per_byte() -> None:
+    assert bits_per_byte(math.log(2), bytes_per_token=1.0) == pytest.approx(1.0)
+    assert bits_per_byte(math.log(2) * 3, bytes_per_token=1.5) == pytest.approx(2.0)

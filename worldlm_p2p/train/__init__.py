@@ -1,0 +1,69 @@
+"""The local-training layer: everything one peer needs to train a model on its own data.
+It knows nothing about peers or networking and never imports hivemind.
+
+- ``tokenizer``: :class:`ByteTokenizer` (UTF-8 bytes + BOS/EOS/PAD), :class:`LocalHFTokenizer`
+  (a local Hugging Face tokenizer directory), :func:`load_tokenizer`.
+- ``model``: :func:`build_model` (a ``transformers`` Llama from a ``ModelConfig``, seeded init),
+  :func:`count_parameters`, :func:`expected_parameters`, :func:`resolve_device`,
+  :func:`autocast_context`.
+- ``data``: :func:`load_texts` (corpus leaf / text dir / saved ``datasets`` dir / single file),
+  :func:`tokenize_splits`, :func:`sample_batch` (pure function of seed and step),
+  :func:`eval_batches`, :func:`demo_data_dir`, :func:`list_corpus`.
+- ``trainer``: :class:`LocalTrainer` (AdamW, warmup, clipping, bf16 autocast on CUDA),
+  :func:`get_flat_params` / :func:`set_params` for the averaging layer.
+
+Importing this package is cheap: ``transformers`` and ``datasets`` are imported on first use.
+"""
+
+from worldlm_p2p.train.data import (
+    TextSplits,
+    TokenData,
+    demo_data_dir,
+    eval_batches,
+    list_corpus,
+    load_texts,
+    sample_batch,
+    tokenize_splits,
+)
+from worldlm_p2p.train.model import (
+    autocast_context,
+    build_model,
+    count_parameters,
+    expected_parameters,
+    resolve_device,
+)
+from worldlm_p2p.train.tokenizer import ByteTokenizer, LocalHFTokenizer, Tokenizer, load_tokenizer
+from worldlm_p2p.train.trainer import (
+    LocalTrainer,
+    StepResult,
+    bits_per_byte,
+    get_flat_params,
+    lr_at,
+    set_params,
+)
+
+__all__ = [
+    "ByteTokenizer",
+    "LocalHFTokenizer",
+    "Tokenizer",
+    "load_tokenizer",
+    "build_model",
+    "count_parameters",
+    "expected_parameters",
+    "resolve_device",
+    "autocast_context",
+    "TextSplits",
+    "TokenData",
+    "load_texts",
+    "tokenize_splits",
+    "sample_batch",
+    "eval_batches",
+    "demo_data_dir",
+    "list_corpus",
+    "LocalTrainer",
+    "StepResult",
+    "lr_at",
+    "bits_per_byte",
+    "get_flat_params",
+    "set_params",
+]

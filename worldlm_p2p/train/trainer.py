@@ -1,0 +1,194 @@
+"""The local (inner) training loop of one peer: AdamW, linear warmup then constant LR, gradient
+clipping, bf16 autocast on CUDA. It knows nothing about peers; the network layer reads and writes
+the parameters through :func:`get_flat_params` / :func:`set_params` to average them.
+
+The library never calls ``torch.set_num_threads``: the caller (CLI, tests) decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from worldlm_p2p.config import TrainConfig
+from worldlm_p2p.errors import CheckpointError
+from worldlm_p2p.train.data import TokenData, check_stream_length, eval_batches, sample_batch
+from worldlm_p2p.train.model import autocast_context
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StepResult", "LocalTrainer", "get_flat_params", "set_params", "bits_per_byte", "lr_at"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepResult:
+    """Outcome of one optimizer step. ``loss`` is the batch's mean cross-entropy (nats/token)."""
+
+    loss: float
+    tokens: int
+    lr: float = 0.0
+    grad_norm: float = math.nan  # before clipping; NaN when not computed
+    skipped: bool = False  # True when the loss was not finite and no update was made
+
+
+def lr_at(step: int, train: TrainConfig) -> float:
+    """Learning rate of ``step`` (0-based): linear warmup over ``warmup_steps``, then constant."""
+    if train.warmup_steps > 0 and step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    return train.lr
+
+
+def bits_per_byte(nats_per_token: float, *, bytes_per_token: float) -> float:
+    """Convert a cross-entropy in nats/token to bits per UTF-8 byte."""
+    return nats_per_token / (math.log(2) * bytes_per_token)
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Matrices (linear weights, embeddings) decay; vectors (norm scales, biases) do not."""
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+class LocalTrainer:
+    """Runs optimizer steps of ``model`` on ``data`` (the model is moved to ``device``)."""
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        train: TrainConfig,
+        data: TokenData,
+        device: torch.device,
+        seed: int,
+    ) -> None:
+        check_stream_length(data.train, train.seq_len, what="training data")
+        self.model = model.to(device)
+        self.model.train()
+        self.train_cfg = train
+        self.data = data
+        self.device = device
+        self.seed = int(seed)
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(self.model, train.weight_decay),
+            lr=lr_at(0, train),
+            betas=(train.beta1, train.beta2),
+            eps=1e-8,
+        )
+        self._warned_no_valid = False
+
+    # -- training ------------------------------------------------------------------------------
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, *, reduction: str) -> torch.Tensor:
+        with autocast_context(self.device):
+            logits = self.model(input_ids=x).logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction=reduction)
+
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step on the batch of ``step`` (a pure function of ``(seed, step)``)."""
+        cfg = self.train_cfg
+        x, y = sample_batch(self.data.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, step=step, seed=self.seed)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        lr = lr_at(step, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._loss(x, y, reduction="mean")
+        loss_value = float(loss.detach())
+        if not math.isfinite(loss_value):
+            logger.warning("step %d: loss is %s; skipping the update", step, loss_value)
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepResult(loss=loss_value, tokens=x.numel(), lr=lr, skipped=True)
+        loss.backward()
+        grad_norm = math.nan
+        if cfg.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+        self.optimizer.step()
+        return StepResult(loss=loss_value, tokens=x.numel(), lr=lr, grad_norm=grad_norm)
+
+    # -- evaluation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean cross-entropy (nats/token) on the validation windows (at most ``train.eval_tokens``
+        targets; 0 = all). NaN, with a warning, when there is no validation data."""
+        cfg = self.train_cfg
+        was_training = self.model.training
+        self.model.eval()
+        total, count = 0.0, 0
+        try:
+            for x, y in eval_batches(self.data.valid, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                                     max_tokens=cfg.eval_tokens):
+                x, y = x.to(self.device), y.to(self.device)
+                total += float(self._loss(x, y, reduction="sum"))
+                count += y.numel()
+        finally:
+            self.model.train(was_training)
+        if count == 0:
+            if not self._warned_no_valid:
+                logger.warning("no validation tokens: evaluate() returns NaN")
+                self._warned_no_valid = True
+            return math.nan
+        return total / count
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot of the optimizer state as CPU copies (model parameters are saved by the caller).
+
+        ``torch.optim.Optimizer.state_dict`` returns live references that later steps mutate; this
+        returns copies, so the snapshot stays valid while training continues."""
+        return {"optimizer": _cpu_copy(self.optimizer.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (copied: ``state`` is not aliased). A state of
+        another model raises CheckpointError."""
+        try:
+            self.optimizer.load_state_dict(_cpu_copy(state["optimizer"]))
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise CheckpointError(f"optimizer state does not fit this model: {reason}") from None
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """Recursively copy tensors of a (nested) state dict to fresh CPU tensors."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cpu_copy(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_cpu_copy(v) for v in obj)
+    return obj
+
+
+def get_flat_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Detached CPU copies of ``model.parameters()`` in order (one tensor per parameter, original
+    shapes; tied weights appear once)."""
+    return [p.detach().to("cpu", copy=True) for p in model.parameters()]
+
+
+@torch.no_grad()
+def set_params(model: torch.nn.Module, tensors: Sequence[torch.Tensor] | Iterable[torch.Tensor]) -> None:
+    """Copy ``tensors`` into ``model.parameters()`` in place (same order and shapes as
+    :func:`get_flat_params`); dtype and device are converted. Raises ValueError on a mismatch."""
+    params = list(model.parameters())
+    tensors = list(tensors)
+    if len(tensors) != len(params):
+        raise ValueError(f"set_params: got {len(tensors)} tensors for {len(params)} parameters")
+    for i, (p, t) in enumerate(zip(params, tensors, strict=True)):
+        if tuple(t.shape) != tuple(p.shape):
+            raise ValueError(f"set_params: tensor {i} has shape {tuple(t.shape)}, parameter has {tuple(p.shape)}")
+    for p, t in zip(params, tensors, strict=True):
+        p.copy_(t)
