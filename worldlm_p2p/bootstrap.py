@@ -49,7 +49,7 @@ class BootstrapNode:
             key = RSAPrivateKey()
         run_id = cfg.manifest.run_id if cfg.manifest else None
         self._validators = records.make_validators(run_id, key)
-        self._dht = start_dht(cfg.net, record_validators=self._validators)
+        self._dht = start_dht(cfg.net, record_validators=self._validators, require_initial_peers=False)
         if cfg.manifest is not None:
             self._publish()
         return visible_maddrs(self._dht)

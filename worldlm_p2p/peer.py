@@ -60,7 +60,9 @@ def fetch_run_manifest(dht, *, run_id: str | None, wait: float, should_stop=lamb
                 raise ManifestError(f"bootstrap nodes publish different manifests for run {runs[0]!r} "
                                     f"(fingerprints {', '.join(prints)})")
             return matching[0].manifest
-        if time.monotonic() >= deadline or should_stop():
+        if should_stop():
+            raise KeyboardInterrupt
+        if time.monotonic() >= deadline:
             break
         time.sleep(0.5)
     if run_id is not None and seen:
@@ -142,6 +144,12 @@ class Peer:
         self._dht.add_validators(run_validators[2:])
         logger.info("joined run %s (manifest %s) as %s in region %s", self.manifest.run_id,
                     self.manifest.fingerprint(), self.peer_id, cfg.region)
+        if self.manifest.aggregation.strategy == "local":
+            logger.info("strategy local: this peer never averages")
+        else:
+            logger.info("strategy %s: region rounds average the whole model by token-weighted mean (the "
+                        "backbone/key-layer split and world rounds are not in this version yet)",
+                        self.manifest.aggregation.strategy)
 
         m = self.manifest
         self.tokenizer = load_tokenizer(m.tokenizer)
@@ -188,7 +196,7 @@ class Peer:
             raise CheckpointError(f"checkpoint {loaded.path} does not fit this model: {type(e).__name__}") from None
         s = self.stats
         for k in ("step", "tokens", "round", "rounds_completed", "rounds_failed", "bytes_sent", "bytes_received",
-                  "tokens_since_round", "first_train_loss"):
+                  "tokens_since_round", "first_train_loss", "last_train_loss"):
             if k in p["stats"]:
                 setattr(s, k, p["stats"][k])
         s.group_sizes = list(p["stats"].get("group_sizes", []))
@@ -321,7 +329,7 @@ class Peer:
             stats=dict(step=s.step, tokens=s.tokens, round=s.round, rounds_completed=s.rounds_completed,
                        rounds_failed=s.rounds_failed, bytes_sent=s.bytes_sent, bytes_received=s.bytes_received,
                        tokens_since_round=s.tokens_since_round, first_train_loss=s.first_train_loss,
-                       group_sizes=list(s.group_sizes)),
+                       last_train_loss=s.last_train_loss, group_sizes=list(s.group_sizes)),
         )
         path = save_checkpoint(self.config.checkpoint_dir, step=s.step, payload=payload,
                                keep=self.config.keep_checkpoints)
@@ -350,7 +358,7 @@ class Peer:
             s.last_train_loss = result.loss
             if s.first_train_loss is None:
                 s.first_train_loss = result.loss
-            if s.step % H == 0:
+            if s.step % H == 0 and m.aggregation.strategy != "local":
                 self._region_round()
             if s.step % cfg.checkpoint_every == 0:
                 self._checkpoint()

@@ -152,12 +152,14 @@ class LocalSwarm:
         self.bootstrap = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env(),
                                           start_new_session=True)
         deadline = time.monotonic() + self.config.startup_timeout
-        first = b""
-        while time.monotonic() < deadline:
-            first = self.bootstrap.stdout.readline()
-            if first or self.bootstrap.poll() is not None:
+        line = ""
+        while time.monotonic() < deadline:  # the multiaddr line comes first, but tolerate warnings before it
+            raw = self.bootstrap.stdout.readline()
+            if not raw and self.bootstrap.poll() is not None:
                 break
-        line = first.decode(errors="replace").strip()
+            line = raw.decode(errors="replace").strip()
+            if "/p2p/" in line:
+                break
         self.initial_peers = [tok for tok in line.split() if tok.startswith("/") and "/p2p/" in tok]
         if not self.initial_peers:
             rest = self.bootstrap.stdout.read().decode(errors="replace").strip().splitlines() \

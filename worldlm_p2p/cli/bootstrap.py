@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
         from worldlm_p2p.bootstrap import BootstrapConfig, BootstrapNode
         from worldlm_p2p.logs import setup_logging
 
-        setup_logging("WARNING")  # the multiaddrs must be the first output
+        setup_logging("ERROR")  # the multiaddrs must be the first output
         manifest = RunManifest.from_toml(args.run_config) if args.run_config else None
         identity_existed = bool(args.identity) and Path(args.identity).exists()
         net = NetConfig(initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs),

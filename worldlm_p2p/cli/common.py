@@ -31,8 +31,13 @@ def fail(prog: str, message: str, code: int = 2) -> NoReturn:
 def install_stop_handlers(stop: Callable[[], None]) -> None:
     """SIGINT and SIGTERM ask for a clean stop; a second signal exits at once."""
     count = {"n": 0}
+    owner = os.getpid()
 
     def handler(signum, _frame):
+        if os.getpid() != owner:  # a forked hivemind child inherited this handler: behave as default
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         count["n"] += 1
         if count["n"] > 1:
             os._exit(128 + signum)

@@ -33,18 +33,19 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--region", help="jurisdiction tag of this peer's sub-federation, e.g. eu")
     p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="bootstrap multiaddrs (with /p2p/<id>)")
     p.add_argument("--data", metavar="PATH", help="training text: a directory of text files (train.txt/valid.txt), "
-                                                  "a saved datasets directory, or a .txt/.jsonl/.csv/.parquet file")
+                                                  "a saved datasets directory, or a .txt/.json/.jsonl/.csv/.parquet file")
     p.add_argument("--run-id", help="run to join (needed only if the DHT serves several runs)")
     p.add_argument("--config", metavar="TOML", help="peer settings file ([peer] table + optional manifest tables)")
-    p.add_argument("--label", help="short human-readable name shown in the monitor (default: data dir name)")
+    p.add_argument("--label", help="short human-readable name shown in progress records (default: data dir name)")
     p.add_argument("--max-steps", type=int, help="stop after this many local steps")
     p.add_argument("--max-tokens", type=int, help="stop after this many training tokens")
     p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here and resume from the latest")
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (default 50)")
     p.add_argument("--threads", type=int, help="torch CPU threads for this process")
-    p.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="listen addresses (default /ip4/127.0.0.1/tcp/0; "
-                                                                     "use /ip4/0.0.0.0/tcp/PORT across machines)")
+    p.add_argument("--host-maddrs", nargs="+", metavar="MADDR",
+                   help="listen addresses (default: /ip4/127.0.0.1/tcp/0 when every initial peer is on loopback, "
+                        "else /ip4/0.0.0.0/tcp/0; set a fixed PORT to open it in a firewall)")
     p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="public addresses to advertise")
     p.add_argument("--identity", metavar="PATH", help="private key file (created with mode 0600 if missing)")
     p.add_argument("--summary", metavar="JSON", help="write a JSON summary of this peer here at exit")
@@ -80,6 +81,11 @@ def _merge(args, file_cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     return peer, overrides
 
 
+def is_loopback(maddr: str) -> bool:
+    parts = str(maddr).split("/")
+    return len(parts) > 2 and (parts[2].startswith("127.") or parts[2] in ("localhost", "::1"))
+
+
 def make_config(args) -> PeerConfig:
     file_cfg = load_toml(args.config) if args.config else {}
     peer, overrides = _merge(args, file_cfg)
@@ -93,6 +99,9 @@ def make_config(args) -> PeerConfig:
                                       identity_path=peer.get("identity"))
     if peer.get("host_maddrs"):
         net_kwargs["host_maddrs"] = tuple(peer["host_maddrs"])
+    elif not all(is_loopback(m) for m in peer["initial_peers"]):
+        # peers on other machines must be able to dial us for the all-reduce
+        net_kwargs["host_maddrs"] = ("/ip4/0.0.0.0/tcp/0",)
     if peer.get("announce_maddrs"):
         net_kwargs["announce_maddrs"] = tuple(peer["announce_maddrs"])
     kwargs: dict[str, Any] = dict(

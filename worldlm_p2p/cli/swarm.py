@@ -25,8 +25,8 @@ def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog=PROG, description="Run a whole WorldLM world on this machine.")
     p.add_argument("--regions", default="eu=3,na=2,asia=2", help="REGION=PEERS,... (default eu=3,na=2,asia=2)")
     p.add_argument("--model", default="tiny", help="model preset: tiny, small, base, large (default tiny)")
-    p.add_argument("--max-steps", type=int, default=200, help="local steps per peer (default 200)")
-    p.add_argument("--inner-steps", type=int, default=20, help="H: local steps between region rounds (default 20)")
+    p.add_argument("--max-steps", type=int, default=120, help="local steps per peer (default 120)")
+    p.add_argument("--inner-steps", type=int, default=15, help="H: local steps between region rounds (default 15)")
     p.add_argument("--data", help="federated corpus <region>/<sub_corpus>/{train,valid}.txt "
                                   "(default: the bundled demo slice)")
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")

@@ -96,11 +96,14 @@ def ensure_identity(path: str | Path):
     return key
 
 
-def start_dht(net: NetConfig, *, record_validators: Sequence = (), client_mode: bool = False):
+def start_dht(net: NetConfig, *, record_validators: Sequence = (), client_mode: bool = False,
+              require_initial_peers: bool = True):
     """Start a hivemind DHT node that joins ``net.initial_peers``.
 
     Retries ``net.connect_retries`` times with exponential backoff; then raises
-    :class:`AddressError` naming the bootstrap addresses it could not reach.
+    :class:`AddressError` naming the bootstrap addresses it could not reach. With
+    ``require_initial_peers=False`` (bootstrap nodes that list each other for redundancy) it starts
+    alone instead, with a warning, so that a cold start of the whole set of nodes works.
     """
     from hivemind import DHT
 
@@ -119,7 +122,8 @@ def start_dht(net: NetConfig, *, record_validators: Sequence = (), client_mode: 
     if announce:
         kwargs["announce_maddrs"] = list(announce)
     if net.identity_path:
-        ensure_identity(net.identity_path)
+        if not Path(net.identity_path).exists():
+            ensure_identity(net.identity_path)
         kwargs["identity_path"] = str(net.identity_path)
         kwargs["check_if_identity_free"] = False  # slow; peer ids collide only if a key file is copied
     delay = net.connect_backoff
@@ -136,6 +140,14 @@ def start_dht(net: NetConfig, *, record_validators: Sequence = (), client_mode: 
                                ", ".join(initial), attempt + 1, net.connect_retries + 1, last_error, delay)
                 time.sleep(delay)
                 delay *= 2
+    if not require_initial_peers:
+        logger.warning("none of %s answered; starting alone (they can join this node later)", ", ".join(initial))
+        kwargs.update(initial_peers=[], ensure_bootstrap_success=False)
+        try:
+            return DHT(start=True, **kwargs)
+        except Exception as e:
+            last_error = " ".join(str(e).split())[:200] or type(e).__name__
+            raise AddressError(f"could not start the DHT on {', '.join(host)}: {last_error}") from None
     raise AddressError(f"could not reach bootstrap peer(s) {', '.join(initial)} after "
                        f"{net.connect_retries + 1} attempts: {last_error}")
 

@@ -1,0 +1,48 @@
+"""The region barrier's pure rule and its bounded wait."""
+
+import time
+
+from worldlm_p2p.net.barrier import Action, decide, wait_for_region
+from worldlm_p2p.net.records import ProgressRecord
+
+
+def rec(label, *, waiting=-1, rnd=0, finished=False):
+    return ProgressRecord(region="eu", peer_id=label, label=label, step=0, tokens=0, train_loss=0.0, tokens_per_s=0.0,
+                          rounds_completed=0, last_group_size=0, bytes_sent=0, bytes_received=0, round=rnd,
+                          waiting_for_round=waiting, fingerprint="f", time=0.0, finished=finished)
+
+
+def test_alone_when_no_live_peer():
+    assert decide(my_round=3, others=[]).action is Action.ALONE
+    assert decide(my_round=3, others=[rec("b", finished=True)]).action is Action.ALONE
+
+
+def test_go_only_when_every_live_peer_waits_for_the_round():
+    assert decide(my_round=2, others=[rec("b", waiting=2), rec("c", waiting=2)]).action is Action.GO
+    d = decide(my_round=2, others=[rec("b", waiting=2), rec("c")])
+    assert d.action is Action.WAIT and d.waiting == 1 and d.live == 2
+
+
+def test_a_peer_ahead_pulls_the_others_forward():
+    d = decide(my_round=2, others=[rec("b", waiting=5)])
+    assert d.action is Action.GO and d.round == 5
+
+
+def test_wait_is_bounded_and_goes_with_those_waiting():
+    announced = []
+    t0 = time.monotonic()
+    d = wait_for_region(my_round=1, fetch_others=lambda: [rec("b", waiting=1), rec("c")],
+                        announce=announced.append, timeout=0.5, poll=0.05)
+    assert time.monotonic() - t0 < 3
+    assert d.action is Action.GO and d.waiting == 1 and announced[0] == 1
+
+
+def test_wait_timeout_with_nobody_waiting_trains_alone():
+    d = wait_for_region(my_round=1, fetch_others=lambda: [rec("c")], announce=lambda r: None, timeout=0.2, poll=0.05)
+    assert d.action is Action.ALONE
+
+
+def test_wait_stops_on_request():
+    d = wait_for_region(my_round=1, fetch_others=lambda: [rec("c")], announce=lambda r: None, timeout=30,
+                        poll=0.05, should_stop=lambda: True)
+    assert d.action is Action.ALONE

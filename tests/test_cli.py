@@ -1,0 +1,175 @@
+"""The CLIs as a user runs them: first output, bad input -> exit code 2 and one line on stderr."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from swarm_utils import DEMO, LOOPBACK, Procs, env, start_bootstrap
+
+PEER = [sys.executable, "-m", "worldlm_p2p.cli.peer"]
+BOOT = [sys.executable, "-m", "worldlm_p2p.cli.bootstrap"]
+SWARM = [sys.executable, "-m", "worldlm_p2p.cli.swarm"]
+# a well-formed address where nobody listens
+NOBODY = "/ip4/127.0.0.1/tcp/9/p2p/QmaqJesiNcZak8Ns1727tE9RGyDzXE1w7qZxtnr2hcVipv"
+DATA = str(DEMO / "eu" / "nl_news")
+
+
+def run(cmd, timeout=120):
+    p = subprocess.run(cmd, capture_output=True, env=env(), timeout=timeout, cwd=Path(__file__).parents[1])
+    return p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
+
+
+def assert_one_line_error(code, err, *needles):
+    lines = err.strip().splitlines()
+    assert code == 2, (code, err)
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def boot(tmp_path_factory):
+    procs = Procs()
+    tmp = tmp_path_factory.mktemp("boot")
+    try:
+        _, maddrs = start_bootstrap(procs, tmp, run_id="cli", inner_steps=5)
+        yield maddrs
+    finally:
+        procs.close()
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--region", "eu", "--data", DATA, "--initial-peers", "not-a-maddr"], ["malformed multiaddr", "not-a-maddr"]),
+    (["--region", "eu", "--data", DATA, "--initial-peers", "/ip4/127.0.0.1/tcp/31337"], ["/p2p/"]),
+    (["--region", "eu", "--data", "/nonexistent/path", "--initial-peers", NOBODY], ["/nonexistent/path"]),
+    (["--region", "e.u", "--data", DATA, "--initial-peers", NOBODY], ["region", "e.u"]),
+    (["--data", DATA, "--initial-peers", NOBODY], ["--region"]),
+    (["--region", "eu", "--data", DATA, "--initial-peers", NOBODY, "--max-steps", "zero"], ["--max-steps"]),
+    (["--region", "eu", "--data", DATA, "--initial-peers", NOBODY, "--device", "tpu"], ["device"]),
+    (["--region", "eu", "--data", DATA, "--initial-peers", NOBODY, "--config", "/nonexistent.toml"],
+     ["/nonexistent.toml"]),
+])
+def test_peer_bad_input_fails_fast_with_one_line(argv, needles):
+    code, _, err = run(PEER + argv)
+    assert_one_line_error(code, err, *needles)
+
+
+def test_peer_empty_data(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    for path in (tmp_path / "empty", tmp_path / "blank.txt"):
+        code, _, err = run(PEER + ["--region", "eu", "--data", str(path), "--initial-peers", NOBODY])
+        assert_one_line_error(code, err, str(path))
+
+
+def test_peer_unreachable_bootstrap_retries_then_names_the_address():
+    t0 = time.monotonic()
+    code, out, err = run(PEER + ["--region", "eu", "--data", DATA, "--initial-peers", NOBODY], timeout=180)
+    assert_one_line_error(code, err, "could not reach bootstrap", NOBODY)
+    assert "retrying" in out  # bounded retries with backoff were made, and logged
+    assert time.monotonic() - t0 < 150
+
+
+@pytest.mark.network
+def test_peer_refuses_settings_that_contradict_the_manifest(boot, tmp_path):
+    cfg = tmp_path / "peer.toml"
+    cfg.write_text('[peer]\nregion = "eu"\n\n[train]\ninner_steps = 99\n')
+    code, _, err = run(PEER + ["--config", str(cfg), "--data", DATA, "--initial-peers", *boot])
+    assert_one_line_error(code, err, "train.inner_steps", "99", "5")
+    cfg.write_text('[model]\npreset = "small"\n')
+    code, _, err = run(PEER + ["--config", str(cfg), "--region", "eu", "--data", DATA, "--initial-peers", *boot])
+    assert_one_line_error(code, err, "model.preset", "small", "tiny")
+
+
+@pytest.mark.network
+def test_peer_unknown_run_id(boot):
+    code, _, err = run(PEER + ["--region", "eu", "--data", DATA, "--initial-peers", *boot, "--run-id", "other",
+                               "--manifest-wait", "2"])
+    assert_one_line_error(code, err, "other", "cli")
+
+
+@pytest.mark.network
+def test_peer_all_checkpoints_corrupt(boot, tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "ckpt-000000010.pt").write_bytes(b"garbage" * 10)
+    code, _, err = run(PEER + ["--region", "eu", "--data", DATA, "--initial-peers", *boot, "--checkpoint-dir",
+                               str(ck), "--max-steps", "3"])
+    assert_one_line_error(code, err, "checkpoint")
+
+
+def test_bootstrap_bad_input():
+    code, _, err = run(BOOT + ["--host-maddrs", "/ip4/127.0.0.1/tcp/notaport"])
+    assert_one_line_error(code, err, "notaport")
+    code, _, err = run(BOOT + ["--run-config", "/nonexistent/run.toml"])
+    assert_one_line_error(code, err, "/nonexistent/run.toml")
+
+
+def test_bootstrap_bad_run_config(tmp_path):
+    for text, needle in (('run_id = "x"\n[train]\ninner_steps = 0\n', "train.inner_steps"),
+                         ('run_id = "x"\n[train]\nlearning_rate = 1\n', "train.learning_rate"),
+                         ('run_id = "a.b"\n', "a.b"), ("run_id = [", "TOML"),
+                         ('run_id = "x"\n[model]\npreset = "huge"\n', "huge")):
+        path = tmp_path / "run.toml"
+        path.write_text(text)
+        code, _, err = run(BOOT + ["--run-config", str(path), "--host-maddrs", LOOPBACK])
+        assert_one_line_error(code, err, needle)
+
+
+def _p2pd_children(pgid: int) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pgid=,comm="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.split()[0] == str(pgid) and "p2pd" in line]
+
+
+@pytest.mark.network
+def test_bootstrap_prints_maddrs_keeps_identity_and_stops_cleanly(tmp_path):
+    ident = tmp_path / "boot.id"
+    ids = []
+    for _ in range(2):
+        p = subprocess.Popen(BOOT + ["--host-maddrs", LOOPBACK, "--identity", str(ident)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env(), start_new_session=True)
+        try:
+            first = p.stdout.readline().decode()
+            maddrs = [t for t in first.split() if t.startswith("/ip4/127.0.0.1/tcp/")]
+            assert maddrs and all("/p2p/" in m for m in maddrs), first
+            ids.append(maddrs[0].rsplit("/p2p/", 1)[1])
+            assert _p2pd_children(p.pid), "bootstrap should run a p2p daemon"
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(timeout=30) == 0
+            assert p.stderr.read() == b""
+            time.sleep(0.5)
+            assert not _p2pd_children(p.pid), "orphan p2pd left behind"
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert stat.S_IMODE(ident.stat().st_mode) == 0o600
+    assert ids[0] == ids[1], "the peer id must survive a restart with the same identity"
+
+
+def test_bootstrap_corrupt_identity(tmp_path):
+    ident = tmp_path / "bad.id"
+    ident.write_bytes(b"not a key")
+    code, _, err = run(BOOT + ["--host-maddrs", LOOPBACK, "--identity", str(ident)])
+    assert_one_line_error(code, err, str(ident))
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--regions", "eu"], ["REGION=COUNT"]),
+    (["--regions", "eu=0"], ["at least one"]),
+    (["--regions", "eu=7"], ["sub-corpora"]),
+    (["--regions", "mars=1"], ["mars"]),
+    (["--data", "/nonexistent/corpus"], ["/nonexistent/corpus"]),
+    (["--model", "huge"], ["huge"]),
+])
+def test_swarm_bad_input(argv, needles, tmp_path):
+    code, _, err = run(SWARM + argv + ["--out", str(tmp_path / "out")])
+    assert_one_line_error(code, err, *needles)

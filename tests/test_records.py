@@ -1,0 +1,86 @@
+"""Signed, schema-validated DHT records on real hivemind DHT nodes (127.0.0.1)."""
+
+import dataclasses
+
+import pytest
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
+
+from worldlm_p2p.config import NetConfig, RunManifest
+from worldlm_p2p.net import records
+from worldlm_p2p.net.dht import start_dht
+
+
+def _rec(**kw):
+    base = dict(region="eu", peer_id="p1", label="a", step=3, tokens=300, train_loss=2.5, tokens_per_s=10.0,
+                rounds_completed=1, last_group_size=2, bytes_sent=10, bytes_received=10, round=2,
+                waiting_for_round=-1, fingerprint="abc", time=1.0)
+    base.update(kw)
+    return records.ProgressRecord(**base)
+
+
+def test_progress_wire_round_trip_and_rejections():
+    r = _rec()
+    assert records.ProgressRecord.from_wire(r.to_wire()) == r
+    for bad in (dict(step=-1), dict(step=1.5), dict(label=3), dict(extra=1)):
+        wire = dict(r.to_wire(), **bad)
+        with pytest.raises(ValueError):
+            records.ProgressRecord.from_wire(wire)
+    with pytest.raises(ValueError):
+        records.ProgressRecord.from_wire([1, 2])
+    # non-finite losses never go on the wire
+    assert records.ProgressRecord.from_wire(_rec(train_loss=float("nan")).to_wire()).train_loss == 0.0
+
+
+def test_manifest_record_detects_tampering():
+    m = RunManifest.from_dict({"run_id": "r1"})
+    rec = records.ManifestRecord(run_id="r1", fingerprint=m.fingerprint(), manifest=m, time=1.0)
+    assert records.ManifestRecord.from_wire(rec.to_wire()).manifest == m
+    other = RunManifest.from_dict({"run_id": "r1", "train": {"lr": 0.5}})
+    wire = dict(rec.to_wire(), manifest=records.ManifestRecord(run_id="r1", fingerprint="x", manifest=other,
+                                                                time=1.0).to_wire()["manifest"])
+    with pytest.raises(ValueError, match="fingerprint"):
+        records.ManifestRecord.from_wire(wire)
+
+
+@pytest.mark.network
+def test_records_are_signed_and_validated_in_the_dht():
+    run = "sig"
+    keys = [RSAPrivateKey() for _ in range(3)]
+    vals = [records.make_validators(run, k) for k in keys]
+    boot = start_dht(NetConfig(), record_validators=vals[0])
+    try:
+        maddrs = tuple(str(m) for m in boot.get_visible_maddrs())
+        alice = start_dht(NetConfig(initial_peers=maddrs), record_validators=vals[1])
+        mallory = start_dht(NetConfig(initial_peers=maddrs), record_validators=vals[2])
+        try:
+            assert records.publish_progress(alice, vals[1], run, _rec(label="alice"), ttl=30)
+            got = records.fetch_progress(mallory, run)
+            assert [r.label for r in got] == ["alice"]
+
+            # mallory cannot write into alice's subkey: her signature does not match alice's key
+            forged = _rec(label="alice", step=999).to_wire()
+            ok = mallory.store(records.progress_key(run), forged, expiration_time=get_dht_time() + 30,
+                               subkey=records.owner_subkey(vals[1]))
+            assert not ok
+            assert [(r.label, r.step) for r in records.fetch_progress(boot, run)] == [("alice", 3)]
+
+            # a record that breaks the schema is refused by every node
+            bad = dict(_rec(label="mallory").to_wire(), step=-5)
+            assert not mallory.store(records.progress_key(run), bad, expiration_time=get_dht_time() + 30,
+                                     subkey=records.owner_subkey(vals[2]))
+            # mallory's own, well-formed record is accepted next to alice's
+            assert records.publish_progress(mallory, vals[2], run, _rec(label="mallory"), ttl=30)
+            assert sorted(r.label for r in records.fetch_progress(boot, run)) == ["alice", "mallory"]
+
+            # manifests: published by the bootstrap, fetched and verified by peers
+            m = RunManifest.from_dict({"run_id": run})
+            assert records.publish_manifest(boot, vals[0], m, ttl=30)
+            fetched = records.fetch_manifests(alice)
+            assert [f.manifest for f in fetched] == [m]
+            assert dataclasses.replace(fetched[0].manifest) == m
+        finally:
+            alice.shutdown()
+            mallory.shutdown()
+    finally:
+        boot.shutdown()
