@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from worldlm_p2p.cli.common import ArgumentParser, install_stop_handlers, run_main
@@ -114,17 +115,27 @@ def make_config(args) -> PeerConfig:
                       ("manifest_wait", "manifest_wait")):
         if peer.get(key) is not None:
             kwargs[name] = peer[key]
-    return PeerConfig(**kwargs)
+    config = PeerConfig(**kwargs)
+    # cheap checks first, so that bad input fails before the heavy imports and the network
+    from worldlm_p2p.errors import DataError
+    from worldlm_p2p.net.dht import parse_maddrs
+
+    parse_maddrs(config.net.initial_peers, what="--initial-peers", require_peer_id=True)
+    parse_maddrs(config.net.host_maddrs, what="--host-maddrs", require_peer_id=False)
+    parse_maddrs(config.net.announce_maddrs, what="--announce-maddrs", require_peer_id=False)
+    if not Path(config.data).exists():
+        raise DataError(f"data path {config.data} does not exist")
+    return config
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
+        config = make_config(args)
         from worldlm_p2p.logs import setup_logging
 
         setup_logging()
-        config = make_config(args)
         import torch
 
         if config.torch_threads:

@@ -1,0 +1,52 @@
+"""``worldlm-swarm``: a small world end to end, and its live table."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+
+from swarm_utils import REPO, env
+from worldlm_p2p.display import progress_table
+from worldlm_p2p.net.records import ProgressRecord
+
+
+@pytest.mark.network
+def test_swarm_runs_a_small_world_and_writes_summary(tmp_path):
+    out = tmp_path / "world"
+    p = subprocess.run([sys.executable, "-m", "worldlm_p2p.cli.swarm", "--regions", "eu=2,na=1", "--max-steps", "10",
+                        "--inner-steps", "5", "--out", str(out), "--no-live"], capture_output=True, env=env(),
+                       cwd=REPO, timeout=400)
+    assert p.returncode == 0, p.stdout.decode()[-3000:] + p.stderr.decode()[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    peers = summary["peers"]
+    assert sorted(x["region"] for x in peers) == ["eu", "eu", "na"]
+    for x in peers:
+        for key in ("region", "steps", "tokens", "rounds_completed", "group_sizes", "first_train_loss",
+                    "last_train_loss", "valid_loss"):
+            assert key in x, (key, x)
+        assert x["steps"] == 10 and x["exit_code"] == 0
+        assert x["tokens"] == 10 * 8 * 128
+        assert x["valid_loss"] > 0 and x["last_train_loss"] < x["first_train_loss"]
+    eu = [x for x in peers if x["region"] == "eu"]
+    na = [x for x in peers if x["region"] == "na"]
+    assert all(x["rounds_completed"] >= 1 and set(x["group_sizes"]) == {2} for x in eu)
+    assert na[0]["rounds_completed"] == 0 and na[0]["group_sizes"] == []
+    assert (out / "logs" / "bootstrap.log").exists() and (out / "run.toml").exists()
+    assert not subprocess.run(["pgrep", "-f", str(out)], capture_output=True).stdout, "processes left behind"
+
+
+def _rec(label, region, step, waiting=-1):
+    return ProgressRecord(region=region, peer_id=label, label=label, step=step, tokens=step * 100, train_loss=2.5,
+                          tokens_per_s=1000.0, rounds_completed=step // 5, last_group_size=2, bytes_sent=0,
+                          bytes_received=0, round=step // 5, waiting_for_round=waiting, fingerprint="f", time=100.0)
+
+
+def test_progress_table_renders_every_peer():
+    console = Console(record=True, width=160)
+    console.print(progress_table([_rec("eu-a", "eu", 10), _rec("eu-b", "eu", 5, waiting=1)],
+                                 labels={"eu-a": "eu", "eu-b": "eu", "na-a": "na"}, max_steps=20, now=101.0))
+    text = console.export_text()
+    for needle in ("eu-a", "eu-b", "na-a", "starting", "round 1", "2.500", "2 peers online"):
+        assert needle in text, text
