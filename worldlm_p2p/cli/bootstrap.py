@@ -32,14 +32,20 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        from worldlm_p2p.bootstrap import BootstrapConfig, BootstrapNode
-        from worldlm_p2p.logs import setup_logging
+        from worldlm_p2p.net.dht import parse_maddrs
 
-        setup_logging("ERROR")  # the multiaddrs must be the first output
         manifest = RunManifest.from_toml(args.run_config) if args.run_config else None
         identity_existed = bool(args.identity) and Path(args.identity).exists()
         net = NetConfig(initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs),
                         announce_maddrs=tuple(args.announce_maddrs), identity_path=args.identity)
+        parse_maddrs(net.initial_peers, what="--initial-peers", require_peer_id=True)
+        parse_maddrs(net.host_maddrs, what="--host-maddrs", require_peer_id=False)
+        parse_maddrs(net.announce_maddrs, what="--announce-maddrs", require_peer_id=False)
+
+        from worldlm_p2p.bootstrap import BootstrapConfig, BootstrapNode
+        from worldlm_p2p.logs import setup_logging
+
+        setup_logging("ERROR")  # the multiaddrs must be the first output
         node = BootstrapNode(config=BootstrapConfig(net=net, manifest=manifest, manifest_ttl=args.manifest_ttl))
         install_stop_handlers(node.stop)
         try:

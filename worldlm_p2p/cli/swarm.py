@@ -51,13 +51,11 @@ def main(argv: list[str] | None = None) -> None:
         from rich.console import Console
         from rich.live import Live
 
-        from worldlm_p2p.display import progress_table
         from worldlm_p2p.errors import ConfigError
         from worldlm_p2p.logs import setup_logging
         from worldlm_p2p.swarm import LocalSwarm, SwarmConfig, parse_regions
         from worldlm_p2p.train import demo_data_dir
 
-        setup_logging()
         if args.max_steps < 1:
             raise ConfigError("--max-steps must be a positive integer")
         if args.threads_per_peer < 1:
@@ -67,14 +65,17 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"--out {out} exists and is not a directory")
-        if out.is_dir() and any(out.iterdir()):
-            old = out.with_name(f"{out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-            out.rename(old)
-            logger.info("moved the previous run in %s to %s", out, old)
         config = SwarmConfig(regions=parse_regions(args.regions), data=data, out=out, manifest=manifest,
                              max_steps=args.max_steps, threads_per_peer=args.threads_per_peer)
         swarm = LocalSwarm(config=config)
         swarm.plan()  # validate data and regions before starting anything
+        from worldlm_p2p.display import progress_table
+
+        setup_logging()
+        if out.is_dir() and any(out.iterdir()):
+            old = out.with_name(f"{out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+            out.rename(old)
+            logger.info("moved the previous run in %s to %s", out, old)
         stop = threading.Event()
         install_stop_handlers(stop.set)
         console = Console()
