@@ -157,3 +157,20 @@ class ProgressReader:
 
     def close(self) -> None:
         self.dht.shutdown()
+
+
+def group_of(tmp: Path, label: str, r: int) -> list[dict]:
+    """The traces of every member of the group that ``label`` averaged with in its round ``r``
+    (members are matched by the round index each one sent in its gather metadata)."""
+    t = traces(tmp, label)[r]
+    return [torch.load(tmp / "trace" / f"{m['label']}-round-{m['round']:05d}.pt", weights_only=False)
+            for m in t["gathered"].values()]
+
+
+def round_error(group: list[dict]) -> float:
+    """Largest distance between a member's post-round model and the pure weighted mean of the
+    members' pre-round models (0 when the all-reduce delivered every part to every member)."""
+    from worldlm_p2p.aggregation import weighted_mean
+
+    ref = weighted_mean([t["pre"] for t in group], [t["weight"] for t in group])
+    return max(max_abs_diff(t["post"], ref) for t in group)

@@ -64,9 +64,10 @@ class RegionAverager(DecentralizedAverager):
             min_matchmaking_time=averaging.matchmaking_time,
             request_timeout=averaging.request_timeout,
             allreduce_timeout=allreduce_timeout,
-            next_chunk_timeout=min(5.0, allreduce_timeout / 2),
-            sender_timeout=min(5.0, allreduce_timeout / 3),
-            reducer_timeout=min(10.0, allreduce_timeout * 2 / 3),
+            # a sender/reducer slower than this is dropped from the round; the others keep going
+            next_chunk_timeout=allreduce_timeout / 3,
+            sender_timeout=allreduce_timeout / 3,
+            reducer_timeout=allreduce_timeout * 2 / 3,
             declare_state_period=5.0,
             allow_state_sharing=True,
             shutdown_timeout=3.0,
