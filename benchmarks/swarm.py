@@ -259,7 +259,9 @@ def alone_inprocess(*, steps: int, repeats: int, manifest_toml: Path, data: Path
     return dict(where="in-process", workers=1, steps=steps, repeats=repeats, runs=runs,
                 median_tokens_per_s=_median(r["tokens_per_s"] for r in runs),
                 median_steady_tokens_per_s=_median(r["steady_tokens_per_s"] for r in runs),
-                median_other_cores=_median(r["other_cores"] for r in runs), loadavg=list(os.getloadavg()))
+                median_other_cores=_median(r["other_cores"] for r in runs),
+                median_tokens_per_cpu_s=_median(r["tokens"] / r["cpu_s"] for r in runs if r["cpu_s"] > 0),
+                loadavg=list(os.getloadavg()))
 
 
 def run_alone(*, workers: int, steps: int, manifest_toml: Path, datas: list[Path], tmp: Path,
@@ -415,6 +417,21 @@ class _CpuSampler:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    def group_cpu(self, pgid: int, t_a: float, t_b: float) -> dict[str, float] | None:
+        """CPU seconds that the processes of group ``pgid`` used in [t_a, t_b], by kind."""
+        before = [x for x in self.samples if x[0] <= t_a]
+        upto = [x for x in self.samples if x[0] <= t_b]
+        if not before or not upto or upto[-1][0] - before[-1][0] < 1.0:
+            return None
+        pa, pb = before[-1][2], upto[-1][2]
+        out = {"trainer": 0.0, "hivemind_children": 0.0, "p2pd": 0.0}
+        for pid, (g, _label, kind, cpu) in pb.items():
+            if g == pgid and kind in out:
+                prev = pa.get(pid)
+                out[kind] += cpu - (prev[3] if prev is not None and prev[0] == g else 0.0)
+        out["window_s"] = upto[-1][0] - before[-1][0]
+        return out
+
     def window(self, t_a: float, t_b: float) -> dict[str, Any] | None:
         """CPU used in [t_a, t_b], in cores (CPU seconds / wall seconds), by kind of process."""
         before = [s for s in self.samples if s[0] <= t_a]
@@ -475,6 +492,8 @@ def run_swarm(args, *, n: int, corpus: Path, tmp: Path, matchmaking_time: float 
     peers = summary["peers"]
     events = watcher.events
 
+    pgids = {q.label: q.proc.pid for q in swarm.peers}  # each CLI process leads its own group
+    tokens_per_round = args.inner_steps * args.batch_size * args.seq_len
     per_peer = []
     for p in peers:
         ev = events.get(p.get("label"), {})
@@ -489,7 +508,20 @@ def run_swarm(args, *, n: int, corpus: Path, tmp: Path, matchmaking_time: float 
         joined = ev["joined"] - spawned if "joined" in ev else None
         training = ev["training"] - spawned if "training" in ev else None
         round_times = [r["t"] for r in ev.get("rounds", [])]
-        per_peer.append(dict(
+        # steady state of this peer: from its first to its last completed round, exactly
+        # (rounds - 1) * H steps were trained; CPU of its processes over the same window
+        steady = {}
+        if len(round_times) >= 2 and p.get("label") in pgids:
+            steady_tokens = (len(round_times) - 1) * tokens_per_round
+            g = sampler.group_cpu(pgids[p["label"]], round_times[0], round_times[-1])
+            steady = dict(steady_tokens=steady_tokens, steady_wall_s=round_times[-1] - round_times[0],
+                          steady_tokens_per_s=steady_tokens / (round_times[-1] - round_times[0]))
+            if g is not None:
+                total = g["trainer"] + g["hivemind_children"] + g["p2pd"]
+                steady.update(steady_cpu_s=g, steady_trainer_cores=g["trainer"] / g["window_s"],
+                              tokens_per_trainer_cpu_s=steady_tokens / g["trainer"] if g["trainer"] else None,
+                              tokens_per_peer_cpu_s=steady_tokens / total if total else None)
+        per_peer.append(dict(**steady,
             label=p.get("label"), exit_code=p.get("exit_code"), error=p.get("error"),
             started_from=p.get("started_from"), steps=p.get("steps"), tokens=p.get("tokens"),
             rounds_completed=rounds_done, rounds_failed=p.get("rounds_failed"), rounds_alone=ev.get("alone"),
@@ -534,6 +566,10 @@ def run_swarm(args, *, n: int, corpus: Path, tmp: Path, matchmaking_time: float 
         phase_spawn_to_peer_s_median=_median(q["phase_spawn_to_peer_s"] for q in ok),
         phase_spawn_to_joined_s_median=_median(q["phase_spawn_to_joined_s"] for q in ok),
         phase_spawn_to_training_s_median=_median(q["phase_spawn_to_training_s"] for q in ok),
+        steady_tokens_per_s_median=_median(q.get("steady_tokens_per_s") for q in ok),
+        steady_trainer_cores_median=_median(q.get("steady_trainer_cores") for q in ok),
+        tokens_per_trainer_cpu_s_median=_median(q.get("tokens_per_trainer_cpu_s") for q in ok),
+        tokens_per_peer_cpu_s_median=_median(q.get("tokens_per_peer_cpu_s") for q in ok),
         steady_state_cpu=cpu, loadavg_after=list(os.getloadavg()),
         per_peer=per_peer, raw_summaries=peers,
     )
@@ -562,10 +598,53 @@ def machine() -> dict[str, Any]:
                 loadavg_at_start=list(os.getloadavg()))
 
 
+def finalize(result: dict[str, Any]) -> None:
+    """Ratios against the alone baseline of the whole run, and the headline.
+
+    Wall-clock: a swarm peer's tokens/s over the median of every alone run of the benchmark (the
+    range uses the fastest and slowest alone run: the machine's noise). CPU: tokens per CPU second
+    of a peer's processes over tokens per CPU second alone; CPU time is far less sensitive than
+    wall time to other users of the machine, so this ratio is the noise-robust one."""
+    runs = [r for a in result.get("alone_solo", []) for r in a["runs"]]
+    tps = [r["tokens_per_s"] for r in runs]
+    per_cpu = [r["tokens"] / r["cpu_s"] for r in runs if r["cpu_s"] > 0]
+    alone = dict(runs=len(runs), median_tokens_per_s=_median(tps), min_tokens_per_s=min(tps, default=None),
+                 max_tokens_per_s=max(tps, default=None), median_tokens_per_cpu_s=_median(per_cpu),
+                 median_other_cores=_median(r["other_cores"] for r in runs))
+    result["alone"] = alone
+    swarms = list(result["swarms"].values())
+    mm = result.get("matchmaking_sensitivity")
+    if mm:
+        swarms.append(mm["swarm"])
+    for r in swarms:
+        t = r["tokens_per_s_median"]
+        r.update(alone_tokens_per_s=alone["median_tokens_per_s"],
+                 ratio_vs_alone=_ratio(t, alone["median_tokens_per_s"]),
+                 ratio_vs_alone_range=[_ratio(t, alone["max_tokens_per_s"]), _ratio(t, alone["min_tokens_per_s"])],
+                 ratio_excl_allreduce_vs_alone=_ratio(r["tokens_per_s_excl_allreduce_median"],
+                                                      alone["median_tokens_per_s"]),
+                 ratio_steady_vs_alone=_ratio(r.get("steady_tokens_per_s_median"), alone["median_tokens_per_s"]),
+                 cpu_ratio_trainer=_ratio(r.get("tokens_per_trainer_cpu_s_median"),
+                                          alone["median_tokens_per_cpu_s"]),
+                 cpu_ratio_peer=_ratio(r.get("tokens_per_peer_cpu_s_median"), alone["median_tokens_per_cpu_s"]))
+    if mm:
+        mm.update(ratio_a=result["swarms"]["2"]["ratio_vs_alone"], ratio_b=mm["swarm"]["ratio_vs_alone"])
+    two = result["swarms"].get("2", {})
+    result["headline"] = dict(
+        ratio_2_peers=two.get("ratio_vs_alone"), ratio_2_peers_range=two.get("ratio_vs_alone_range"),
+        ratio_2_peers_bracket=two.get("ratio_vs_alone_bracket"), cpu_ratio_2_peers=two.get("cpu_ratio_peer"),
+        cpu_ratio_trainer_2_peers=two.get("cpu_ratio_trainer"),
+        seconds_to_first_round_2_peers=two.get("seconds_to_first_round_median"),
+        outside_first_round_s_2_peers=two.get("outside_first_round_s_median"),
+        round_seconds_by_size={n: r["round_seconds_median"] for n, r in result["swarms"].items()})
+
+
 def markdown(result: dict[str, Any]) -> str:
     s = result["settings"]
     sw = result["swarms"]
     sizes = list(sw)
+    alone = result.get("alone", {})
+    cpus = result["machine"]["cpus"]
     lines = []
     if sizes:
         lines += [
@@ -585,67 +664,94 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {name} | " + " | ".join(_fmt(sw[n][key], ".1f") for n in sizes) + " |")
         probe = result.get("import_probe")
         if probe and "total" in probe:
-            lines += ["", f"Import cost of one process alone: torch {probe['torch']:.1f} s, hivemind + worldlm "
+            lines += ["", f"Imports of one process on its own: torch {probe['torch']:.1f} s, hivemind + worldlm "
                           f"{probe['hivemind_and_worldlm_peer']:.1f} s, transformers Llama "
                           f"{probe['transformers_llama']:.1f} s (total {probe['total']:.1f} s)."]
         lines.append("")
     lines += [
-        f"**Region rounds and throughput** (tiny, batch {s['batch_size']} x seq {s['seq_len']}, "
-        f"H={s['inner_steps']}, {s['rounds']} rounds per peer, matchmaking_time {s['matchmaking_time']} s, "
-        f"request_timeout {s['request_timeout']} s, 1 torch thread per process, "
-        f"{result['machine']['cpus']} cores shared by all processes)",
+        f"**Region rounds** (tiny, batch {s['batch_size']} x seq {s['seq_len']}, H={s['inner_steps']}, "
+        f"{s['rounds']} rounds per peer, matchmaking_time {s['matchmaking_time']} s, request_timeout "
+        f"{s['request_timeout']} s, averaging_timeout {s['averaging_timeout']} s, 1 torch thread per process, "
+        f"{cpus} cores shared by all processes)",
         "",
-        "| peers | round s: median (p10-p90), 1st excluded | round period s | full groups | "
-        "sent/peer/round | swarm tok/s/peer | alone tok/s | **swarm / alone** | "
-        "N-alone-concurrent tok/s | swarm / N-alone | swarm excl. all-reduce / alone |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peers | round s, median (p10-p90), 1st round excluded | round period s (round + H steps + barrier) | "
+        "groups of full size | all-reduce sent per peer per round |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for n, r in sw.items():
+        sent = r["bytes_sent_per_round_median"]
+        lines.append(f"| {n} | {_fmt(r['round_seconds_median'])} ({_fmt(r['round_seconds_p10'])}-"
+                     f"{_fmt(r['round_seconds_p90'])}) | {_fmt(r['round_period_s_median'])} | "
+                     f"{_fmt(r['full_group_fraction'], '.0%')} | {_fmt(sent and sent / 2**20, '.2f')} MiB |")
+    lines += [
+        "",
+        f"**Cost of federation: wall clock** (alone = same LocalTrainer, 1 thread, no network; median of "
+        f"{alone.get('runs')} alone runs spread over the benchmark: "
+        f"{_fmt(alone.get('median_tokens_per_s'), '.0f')} tok/s, range "
+        f"{_fmt(alone.get('min_tokens_per_s'), '.0f')}-{_fmt(alone.get('max_tokens_per_s'), '.0f')})",
+        "",
+        "| peers | swarm tok/s per peer | **swarm / alone** (range over alone runs) | swarm / alone, neighbouring "
+        "alone runs | steady-state swarm / alone | N alone processes at once: tok/s each | swarm / N-alone |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n, r in sw.items():
         conc = r.get("concurrent_alone") or {}
-        sent = r["bytes_sent_per_round_median"]
-        lines.append(
-            f"| {n} | {_fmt(r['round_seconds_median'])} ({_fmt(r['round_seconds_p10'])}-"
-            f"{_fmt(r['round_seconds_p90'])}) | {_fmt(r['round_period_s_median'])} | "
-            f"{_fmt(r['full_group_fraction'], '.0%')} | {_fmt(sent and sent / 2**20, '.2f')} MiB | "
-            f"{_fmt(r['tokens_per_s_median'], '.0f')} | {_fmt(r['alone_tokens_per_s'], '.0f')} | "
-            f"**{_fmt(r['ratio_vs_alone'], '.3f')}** | {_fmt(conc.get('median_tokens_per_s'), '.0f')} | "
-            f"{_fmt(r['ratio_vs_concurrent_alone'], '.3f')} | {_fmt(r['ratio_excl_allreduce_vs_alone'], '.3f')} |")
+        lo, hi = r.get("ratio_vs_alone_range") or (None, None)
+        lines.append(f"| {n} | {_fmt(r['tokens_per_s_median'], '.0f')} | "
+                     f"**{_fmt(r.get('ratio_vs_alone'), '.3f')}** ({_fmt(lo, '.3f')}-{_fmt(hi, '.3f')}) | {_fmt(r.get('ratio_vs_alone_bracket'), '.3f')} | "
+                     f"{_fmt(r.get('ratio_steady_vs_alone'), '.3f')} | {_fmt(conc.get('median_tokens_per_s'), '.0f')} | "
+                     f"{_fmt(r.get('ratio_vs_concurrent_alone'), '.3f')} |")
+    lines += [
+        "",
+        "**Cost of federation: CPU** (steady state, per peer; alone: "
+        f"{_fmt(alone.get('median_tokens_per_cpu_s'), '.0f')} tokens per CPU second)",
+        "",
+        "| peers | cores a training process got | tokens per CPU-s of the training process | "
+        "tokens per CPU-s of all the peer's processes (+ DHT, averager, p2pd) | **CPU efficiency** (all / alone) |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for n, r in sw.items():
+        lines.append(f"| {n} | {_fmt(r.get('steady_trainer_cores_median'))} | "
+                     f"{_fmt(r.get('tokens_per_trainer_cpu_s_median'), '.0f')} "
+                     f"({_fmt(r.get('cpu_ratio_trainer'), '.2f')} of alone) | "
+                     f"{_fmt(r.get('tokens_per_peer_cpu_s_median'), '.0f')} | "
+                     f"**{_fmt(r.get('cpu_ratio_peer'), '.3f')}** |")
     cpu_rows = [(n, r["steady_state_cpu"]) for n, r in sw.items() if r.get("steady_state_cpu")]
     if cpu_rows:
         lines += [
             "",
-            "**Where the CPU went in steady state** (cores, averaged over the window between every peer's first "
-            "and the first peer's last round; the machine has "
-            f"{result['machine']['cpus']})",
+            f"**Where the machine's {cpus} cores went in steady state** (cores, between every peer's first round and "
+            "the first peer's last round)",
             "",
-            "| peers | training processes | hivemind DHT+averager processes | p2pd daemons | bootstrap | "
+            "| peers | training processes | hivemind DHT + averager processes | p2pd daemons | bootstrap node | "
             "benchmark | other users of the machine | idle |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for n, c in cpu_rows:
             k = c["cores_by_kind"]
             busy = c.get("cores_machine_busy")
-            idle = result["machine"]["cpus"] - busy if busy is not None else None
+            idle = cpus - busy if busy is not None else None
             lines.append(f"| {n} | {_fmt(k.get('trainer'))} | {_fmt(k.get('hivemind_children'))} | "
                          f"{_fmt(k.get('p2pd'))} | {_fmt(k.get('bootstrap'))} | {_fmt(k.get('benchmark'))} | "
-                         f"{_fmt(c.get('cores_other_users'))} | "
-                         f"{_fmt(idle)} |")
+                         f"{_fmt(c.get('cores_other_users'))} | {_fmt(idle)} |")
     mm = result.get("matchmaking_sensitivity")
     if mm:
         lines += ["", f"Matchmaking sensitivity (2 peers): matchmaking_time {mm['matchmaking_time_a']} s -> round "
-                      f"{_fmt(mm['round_seconds_a'])} s; {mm['matchmaking_time_b']} s -> round "
-                      f"{_fmt(mm['round_seconds_b'])} s (swarm/alone {_fmt(mm['ratio_b'], '.3f')})."]
-    h = result["headline"]
+                      f"{_fmt(mm['round_seconds_a'])} s, swarm/alone {_fmt(mm.get('ratio_a'), '.3f')}; "
+                      f"{mm['matchmaking_time_b']} s -> round {_fmt(mm['round_seconds_b'])} s, swarm/alone "
+                      f"{_fmt(mm.get('ratio_b'), '.3f')}."]
+    h = result.get("headline", {})
+    rng = h.get("ratio_2_peers_range") or (None, None)
     solos = result.get("alone_solo", [])
-    solo = [a["median_tokens_per_s"] for a in solos]
     lines += [
         "",
-        f"Headline (2 peers, about one core each): swarm/alone tokens/s = **{_fmt(h.get('ratio_2_peers'), '.3f')}**; "
-        f"time to first round {_fmt(h.get('outside_first_round_s_2_peers'), '.1f')} s from process spawn "
-        f"({_fmt(h.get('seconds_to_first_round_2_peers'), '.1f')} s from `Peer` construction). "
-        f"Alone baseline over the run: {', '.join(f'{x:.0f}' for x in solo)} tok/s "
-        f"(max/min {_fmt(_ratio(max(solo), min(solo)) if solo else None)}: the machine's noise; other processes "
-        f"used {', '.join(_fmt(a.get('median_other_cores')) for a in solos)} cores meanwhile).",
+        f"Headline (2 peers, about one core each): swarm/alone tokens/s = **{_fmt(h.get('ratio_2_peers'), '.3f')}** "
+        f"(range {_fmt(rng[0], '.3f')}-{_fmt(rng[1], '.3f')}); CPU efficiency "
+        f"{_fmt(h.get('cpu_ratio_2_peers'), '.3f')}; "
+        f"first round {_fmt(h.get('outside_first_round_s_2_peers'), '.1f')} s after process spawn "
+        f"({_fmt(h.get('seconds_to_first_round_2_peers'), '.1f')} s after `Peer` construction). Other processes "
+        f"used {', '.join(_fmt(a.get('median_other_cores')) for a in solos)} of the {cpus} cores during the "
+        f"alone runs.",
     ]
     return "\n".join(lines)
 
@@ -761,16 +867,15 @@ def main(argv: list[str] | None = None) -> int:
             after = solo(f"after {n}")
             # the swarm's baseline: the mean of the alone runs that bracket it in time
             base = statistics.mean([prev["median_tokens_per_s"], after["median_tokens_per_s"]])
-            r.update(concurrent_alone=conc, alone_tokens_per_s=base,
+            r.update(concurrent_alone=conc, alone_bracket_tokens_per_s=base,
                      alone_bracket=[prev["median_tokens_per_s"], after["median_tokens_per_s"]],
-                     ratio_vs_alone=_ratio(r["tokens_per_s_median"], base),
+                     ratio_vs_alone_bracket=_ratio(r["tokens_per_s_median"], base),
                      ratio_vs_concurrent_alone=_ratio(r["tokens_per_s_median"],
-                                                      conc and conc["median_tokens_per_s"]),
-                     ratio_excl_allreduce_vs_alone=_ratio(r["tokens_per_s_excl_allreduce_median"], base))
+                                                      conc and conc["median_tokens_per_s"]))
             result["swarms"][str(n)] = r
             say(f"  {n} peers: round {_fmt(r['round_seconds_median'])} s, first round "
                 f"{_fmt(r['outside_first_round_s_median'], '.1f')} s, {_fmt(r['tokens_per_s_median'], '.0f')} "
-                f"tok/s/peer vs alone {base:.0f} -> {_fmt(r['ratio_vs_alone'], '.3f')}; groups "
+                f"tok/s/peer vs alone {base:.0f} (bracket) -> {_fmt(r['ratio_vs_alone_bracket'], '.3f')}; groups "
                 f"{r['group_size_counts']}; failed peers {r['failed_peers']}")
             prev = after
         if not args.quick and 2 in sizes:
@@ -780,22 +885,17 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_swarm(args, n=2, corpus=corpus, tmp=tmp, matchmaking_time=mm_b, tag="-mmhalf")
                 after = solo("after matchmaking sensitivity")
                 base = statistics.mean([prev["median_tokens_per_s"], after["median_tokens_per_s"]])
-                r.update(alone_tokens_per_s=base, ratio_vs_alone=_ratio(r["tokens_per_s_median"], base))
+                r.update(alone_bracket_tokens_per_s=base,
+                         alone_bracket=[prev["median_tokens_per_s"], after["median_tokens_per_s"]],
+                         ratio_vs_alone_bracket=_ratio(r["tokens_per_s_median"], base))
                 result["matchmaking_sensitivity"] = dict(
                     matchmaking_time_a=args.matchmaking_time, matchmaking_time_b=mm_b,
                     round_seconds_a=result["swarms"]["2"]["round_seconds_median"],
-                    round_seconds_b=r["round_seconds_median"], ratio_a=result["swarms"]["2"]["ratio_vs_alone"],
-                    ratio_b=r["ratio_vs_alone"], swarm=r)
+                    round_seconds_b=r["round_seconds_median"], swarm=r)
     finally:
         result["total_seconds"] = time.monotonic() - t_run
         result["machine"]["loadavg_at_end"] = list(os.getloadavg())
-        two = result["swarms"].get("2", {})
-        result["headline"] = dict(ratio_2_peers=two.get("ratio_vs_alone"),
-                                  ratio_2_peers_excl_allreduce=two.get("ratio_excl_allreduce_vs_alone"),
-                                  seconds_to_first_round_2_peers=two.get("seconds_to_first_round_median"),
-                                  outside_first_round_s_2_peers=two.get("outside_first_round_s_median"),
-                                  round_seconds_by_size={n: r["round_seconds_median"]
-                                                         for n, r in result["swarms"].items()})
+        finalize(result)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
         if args.keep:

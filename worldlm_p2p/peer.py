@@ -15,6 +15,7 @@ Lifecycle of :class:`Peer`:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -282,6 +283,9 @@ class Peer:
         weight = aggregation.round_weight(s.tokens_since_round)
         result = self._averager.run_round(pre, weight=weight, gather=dict(
             label=self.label, weight=weight, tokens=s.tokens_since_round, round=s.round))
+        if result.ok and not all(bool(torch.isfinite(t).all()) for t in result.averaged):
+            result = dataclasses.replace(result, ok=False, averaged=None,
+                                         error="the group's average is not finite (a peer sent NaN/inf)")
         if result.ok:
             new = aggregation.outer_step(self._anchor, result.averaged, m.aggregation.outer_lr)
             set_params(self.model, new)

@@ -22,6 +22,7 @@ from typing import Any
 
 from worldlm_p2p.config import RunManifest, check_name
 from worldlm_p2p.errors import ConfigError, DataError
+from worldlm_p2p.train.data import list_corpus
 
 logger = logging.getLogger(__name__)
 
@@ -45,20 +46,6 @@ def parse_regions(spec: str) -> dict[str, int]:
         out[name.strip()] = n
     if not out:
         raise ConfigError("--regions: give at least one REGION=COUNT")
-    return out
-
-
-def list_corpus(root: Path) -> dict[str, list[Path]]:
-    """Regions of a federated corpus and their sub-corpora (directories with a ``train.txt``)."""
-    if not root.is_dir():
-        raise DataError(f"data directory {root} does not exist")
-    out = {}
-    for region_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        subs = sorted(p for p in region_dir.iterdir() if (p / "train.txt").is_file())
-        if subs:
-            out[region_dir.name] = subs
-    if not out:
-        raise DataError(f"{root} is not a federated corpus: expected <region>/<sub_corpus>/train.txt")
     return out
 
 
