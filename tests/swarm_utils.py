@@ -174,3 +174,10 @@ def round_error(group: list[dict]) -> float:
 
     ref = weighted_mean([t["pre"] for t in group], [t["weight"] for t in group])
     return max(max_abs_diff(t["post"], ref) for t in group)
+
+
+def process_group(pgid: int) -> list[str]:
+    """Live processes (not zombies) of a process group, as 'pid command' lines."""
+    out = subprocess.run(["ps", "-eo", "pgid=,pid=,stat=,comm="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 3) for line in out.splitlines()]
+    return [f"{r[1]} {r[3]}" for r in rows if len(r) == 4 and r[0] == str(pgid) and not r[2].startswith("Z")]

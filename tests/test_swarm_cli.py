@@ -50,3 +50,34 @@ def test_progress_table_renders_every_peer():
     text = console.export_text()
     for needle in ("eu-a", "eu-b", "na-a", "starting", "round 1", "2.500", "2 peers online"):
         assert needle in text, text
+
+
+@pytest.mark.network
+def test_swarm_stops_cleanly_on_ctrl_c(tmp_path):
+    import signal
+    import time
+
+    from swarm_utils import wait_for
+
+    out = tmp_path / "world"
+    p = subprocess.Popen([sys.executable, "-m", "worldlm_p2p.cli.swarm", "--regions", "eu=2", "--max-steps", "100000",
+                          "--inner-steps", "5", "--out", str(out), "--no-live"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env(), cwd=REPO, start_new_session=True)
+    try:
+        logs = out / "logs"
+        wait_for(lambda: sum("averaged with 2 peers" in f.read_text() for f in logs.glob("eu-*.log")) == 2, 240,
+                 "both peers to complete a round")
+        p.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        assert p.wait(timeout=120) == 0, p.stderr.read().decode()[-2000:]
+        assert time.monotonic() - t0 < 120
+    finally:
+        if p.poll() is None:
+            p.kill()
+    summary = json.loads((out / "summary.json").read_text())
+    for peer in summary["peers"]:
+        assert peer["exit_code"] == 0 and 0 < peer["steps"] < 100000 and peer["rounds_completed"] >= 1
+        assert "valid_loss" in peer
+    assert list((out / "checkpoints").glob("*/ckpt-*.pt")), "final checkpoints were written"
+    time.sleep(1)
+    assert not subprocess.run(["pgrep", "-f", str(out)], capture_output=True).stdout, "processes left behind"

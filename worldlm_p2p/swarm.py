@@ -81,6 +81,13 @@ class PeerProcess:
         return " | ".join(lines[-n:])
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """SIGTERM this child when the swarm process dies, even by SIGKILL, so no peer outlives it."""
+    from worldlm_p2p.cli.common import _set_parent_death_signal
+
+    _set_parent_death_signal()
+
+
 def _pump(stream, path: Path) -> None:
     with path.open("ab") as f:
         for line in iter(stream.readline, b""):
@@ -137,7 +144,7 @@ class LocalSwarm:
         cmd = [sys.executable, "-m", "worldlm_p2p.cli.bootstrap", "--run-config", str(run_toml),
                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity", str(self.config.out / "bootstrap.id")]
         self.bootstrap = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env(),
-                                          start_new_session=True)
+                                          start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + self.config.startup_timeout
         line = ""
         while time.monotonic() < deadline:  # the multiaddr line comes first, but tolerate warnings before it
@@ -172,7 +179,7 @@ class LocalSwarm:
             cmd += ["--checkpoint-dir", str(cfg.out / "checkpoints" / label)]
         with log_path.open("wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(),
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=_die_with_parent)
         return PeerProcess(label=label, region=region, data=data, proc=proc, log_path=log_path, summary_path=summary)
 
     # ------------------------------------------------------------------ run / stop

@@ -29,7 +29,7 @@ def fail(prog: str, message: str, code: int = 2) -> NoReturn:
 
 
 def install_stop_handlers(stop: Callable[[], None]) -> None:
-    """SIGINT and SIGTERM ask for a clean stop; a second signal exits at once."""
+    """SIGINT, SIGTERM and SIGHUP ask for a clean stop; a second signal exits at once."""
     count = {"n": 0}
     owner = os.getpid()
 
@@ -44,12 +44,30 @@ def install_stop_handlers(stop: Callable[[], None]) -> None:
         logger.info("received %s: stopping cleanly (send again to force)", signal.Signals(signum).name)
         stop()
 
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal went away
+        signal.signal(sig, handler)
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: have the kernel send SIGTERM to this process when its parent dies (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def reap_children_on_death() -> None:
+    """hivemind runs the DHT and the averager in forked processes (which start the p2p daemon).
+    Make every process this CLI forks die with it, even if it is killed with SIGKILL, so that a
+    crashed or killed peer never leaves orphans behind."""
+    os.register_at_fork(after_in_child=_set_parent_death_signal)
 
 
 def run_main(prog: str, body: Callable[[], int | None]) -> NoReturn:
     """Run a CLI body; user errors become one line on stderr and exit code 2."""
+    reap_children_on_death()
     try:
         code = body() or 0
     except WorldLMError as e:
