@@ -12,31 +12,6 @@ from worldlm_p2p.display import progress_table
 from worldlm_p2p.net.records import ProgressRecord
 
 
-@pytest.mark.network
-def test_swarm_runs_a_small_world_and_writes_summary(tmp_path):
-    out = tmp_path / "world"
-    p = subprocess.run([sys.executable, "-m", "worldlm_p2p.cli.swarm", "--regions", "eu=2,na=1", "--max-steps", "10",
-                        "--inner-steps", "5", "--out", str(out), "--no-live"], capture_output=True, env=env(),
-                       cwd=REPO, timeout=400)
-    assert p.returncode == 0, p.stdout.decode()[-3000:] + p.stderr.decode()[-2000:]
-    summary = json.loads((out / "summary.json").read_text())
-    peers = summary["peers"]
-    assert sorted(x["region"] for x in peers) == ["eu", "eu", "na"]
-    for x in peers:
-        for key in ("region", "steps", "tokens", "rounds_completed", "group_sizes", "first_train_loss",
-                    "last_train_loss", "valid_loss"):
-            assert key in x, (key, x)
-        assert x["steps"] == 10 and x["exit_code"] == 0
-        assert x["tokens"] == 10 * 8 * 128
-        assert x["valid_loss"] > 0 and x["last_train_loss"] < x["first_train_loss"]
-    eu = [x for x in peers if x["region"] == "eu"]
-    na = [x for x in peers if x["region"] == "na"]
-    assert all(x["rounds_completed"] >= 1 and set(x["group_sizes"]) == {2} for x in eu)
-    assert na[0]["rounds_completed"] == 0 and na[0]["group_sizes"] == []
-    assert (out / "logs" / "bootstrap.log").exists() and (out / "run.toml").exists()
-    assert not subprocess.run(["pgrep", "-f", str(out)], capture_output=True).stdout, "processes left behind"
-
-
 def _rec(label, region, step, waiting=-1):
     return ProgressRecord(region=region, peer_id=label, label=label, step=step, tokens=step * 100, train_loss=2.5,
                           tokens_per_s=1000.0, rounds_completed=step // 5, last_group_size=2, bytes_sent=0,
@@ -53,31 +28,40 @@ def test_progress_table_renders_every_peer():
 
 
 @pytest.mark.network
-def test_swarm_stops_cleanly_on_ctrl_c(tmp_path):
+def test_swarm_runs_a_small_world_writes_summary_and_stops_on_ctrl_c(tmp_path):
     import signal
     import time
 
     from swarm_utils import wait_for
 
     out = tmp_path / "world"
-    p = subprocess.Popen([sys.executable, "-m", "worldlm_p2p.cli.swarm", "--regions", "eu=2", "--max-steps", "100000",
-                          "--inner-steps", "5", "--out", str(out), "--no-live"], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "worldlm_p2p.cli.swarm", "--regions", "eu=2,na=1", "--max-steps",
+                          "100000", "--inner-steps", "5", "--out", str(out), "--no-live"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, env=env(), cwd=REPO, start_new_session=True)
     try:
         logs = out / "logs"
-        wait_for(lambda: sum("averaged with 2 peers" in f.read_text() for f in logs.glob("eu-*.log")) == 2, 240,
-                 "both peers to complete a round")
-        p.send_signal(signal.SIGINT)
-        t0 = time.monotonic()
+        wait_for(lambda: sum("averaged with 2 peers" in f.read_text() for f in logs.glob("eu-*.log")) == 2, 300,
+                 "both eu peers to complete a round")
+        p.send_signal(signal.SIGINT)  # Ctrl-C
         assert p.wait(timeout=120) == 0, p.stderr.read().decode()[-2000:]
-        assert time.monotonic() - t0 < 120
     finally:
         if p.poll() is None:
             p.kill()
     summary = json.loads((out / "summary.json").read_text())
-    for peer in summary["peers"]:
-        assert peer["exit_code"] == 0 and 0 < peer["steps"] < 100000 and peer["rounds_completed"] >= 1
-        assert "valid_loss" in peer
+    peers = summary["peers"]
+    assert sorted(x["region"] for x in peers) == ["eu", "eu", "na"]
+    for x in peers:
+        for key in ("region", "steps", "tokens", "rounds_completed", "group_sizes", "first_train_loss",
+                    "last_train_loss", "valid_loss"):
+            assert key in x, (key, x)
+        assert x["exit_code"] == 0 and 0 < x["steps"] < 100000
+        assert x["tokens"] == x["steps"] * 8 * 128
+        assert x["valid_loss"] > 0
+    eu = [x for x in peers if x["region"] == "eu"]
+    na = [x for x in peers if x["region"] == "na"]
+    assert all(x["rounds_completed"] >= 1 and set(x["group_sizes"]) == {2} for x in eu)
+    assert na[0]["rounds_completed"] == 0 and na[0]["group_sizes"] == []
+    assert (out / "logs" / "bootstrap.log").exists() and (out / "run.toml").exists()
     assert list((out / "checkpoints").glob("*/ckpt-*.pt")), "final checkpoints were written"
     time.sleep(1)
     assert not subprocess.run(["pgrep", "-f", str(out)], capture_output=True).stdout, "processes left behind"
