@@ -42,5 +42,8 @@ def setup_logging(level: str | None = None, *, stream=None) -> None:
     hm = logging.getLogger("hivemind")
     hm.setLevel(logging.DEBUG if level == "DEBUG" else logging.ERROR)
     hm.propagate = True
-    for noisy in ("urllib3", "filelock", "datasets", "fsspec", "matplotlib", "asyncio"):
+    for noisy in ("urllib3", "filelock", "datasets", "fsspec", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # hivemind's background processes leave "Task exception was never retrieved" records about
+    # peers that timed out; the round's outcome is logged by the peer itself
+    logging.getLogger("asyncio").setLevel(logging.DEBUG if level == "DEBUG" else logging.CRITICAL)

@@ -218,6 +218,10 @@ class Peer:
             logger.info("no live peer in region %s yet: starting from the run's common initialisation",
                         self.config.region)
             return
+        if all(r.rounds_completed == 0 and r.round == 0 for r in others):
+            logger.info("region %s has not averaged yet: its model is the run's common initialisation",
+                        self.config.region)
+            return
         logger.info("region %s has %d live peer(s): loading its current model", self.config.region, len(others))
         loaded = self._averager.download_region_state(timeout=self.config.join_state_timeout)
         if loaded is None:
@@ -281,6 +285,10 @@ class Peer:
             return
         pre = [p.detach().to("cpu", copy=True) for p in get_flat_params(self.model)]
         weight = aggregation.round_weight(s.tokens_since_round)
+        try:
+            self._averager.set_target_group_size(min(decision.waiting + 1, m.averaging.target_group_size))
+        except Exception as e:  # an older or changed hivemind: fall back to the full matchmaking window
+            logger.debug("could not set the target group size: %s", e)
         result = self._averager.run_round(pre, weight=weight, gather=dict(
             label=self.label, weight=weight, tokens=s.tokens_since_round, round=s.round))
         if result.ok and not all(bool(torch.isfinite(t).all()) for t in result.averaged):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -81,18 +82,16 @@ class PeerProcess:
         return " | ".join(lines[-n:])
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """SIGTERM this child when the swarm process dies, even by SIGKILL, so no peer outlives it."""
-    from worldlm_p2p.cli.common import _set_parent_death_signal
-
-    _set_parent_death_signal()
-
-
-def _pump(stream, path: Path) -> None:
+def _pump(stream, path: Path, lines: "queue.Queue | None" = None) -> None:
+    """Copy a child's output to its log file, and its lines to ``lines`` if given."""
     with path.open("ab") as f:
         for line in iter(stream.readline, b""):
             f.write(line)
             f.flush()
+            if lines is not None:
+                lines.put(line)
+    if lines is not None:
+        lines.put(b"<eof>")
 
 
 class LocalSwarm:
@@ -137,31 +136,35 @@ class LocalSwarm:
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         t = str(self.config.threads_per_peer)
-        env.update(OMP_NUM_THREADS=t, MKL_NUM_THREADS=t, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        env.update(OMP_NUM_THREADS=t, MKL_NUM_THREADS=t, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+                   # the processes stop if this one dies, even by SIGKILL (see cli.common)
+                   WORLDLM_DIE_WITH_PARENT="1", WORLDLM_PARENT_PID=str(os.getpid()))
         return env
 
     def _start_bootstrap(self, run_toml: Path) -> None:
         cmd = [sys.executable, "-m", "worldlm_p2p.cli.bootstrap", "--run-config", str(run_toml),
                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity", str(self.config.out / "bootstrap.id")]
         self.bootstrap = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env(),
-                                          start_new_session=True, preexec_fn=_die_with_parent)
+                                          start_new_session=True)
         deadline = time.monotonic() + self.config.startup_timeout
+        lines: queue.Queue = queue.Queue()
+        log = self.config.out / "logs" / "bootstrap.log"
+        threading.Thread(target=_pump, args=(self.bootstrap.stdout, log, lines), daemon=True).start()
         line = ""
-        while time.monotonic() < deadline:  # the multiaddr line comes first, but tolerate warnings before it
-            raw = self.bootstrap.stdout.readline()
-            if not raw and self.bootstrap.poll() is not None:
+        while "/p2p/" not in line:  # the multiaddr line comes first, but tolerate warnings before it
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic())).decode(errors="replace").strip()
+            except queue.Empty:
                 break
-            line = raw.decode(errors="replace").strip()
-            if "/p2p/" in line:
+            if line == "<eof>":
                 break
         self.initial_peers = [tok for tok in line.split() if tok.startswith("/") and "/p2p/" in tok]
         if not self.initial_peers:
-            rest = self.bootstrap.stdout.read().decode(errors="replace").strip().splitlines() \
-                if self.bootstrap.poll() is not None else []
-            raise ConfigError(f"bootstrap node did not start: {(rest or [line])[-1][:300]}")
-        log = self.config.out / "logs" / "bootstrap.log"
-        log.write_text(line + "\n")
-        threading.Thread(target=_pump, args=(self.bootstrap.stdout, log), daemon=True).start()
+            if self.bootstrap.poll() is None:
+                _terminate(self.bootstrap)
+            tail = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+            raise ConfigError(f"bootstrap node did not start within {self.config.startup_timeout:.0f}s: "
+                              f"{(tail or ['no output'])[-1][:300]}")
         logger.info("bootstrap node at %s", " ".join(self.initial_peers))
 
     def _start_peer(self, region: str, label: str, data: Path) -> PeerProcess:
@@ -179,7 +182,7 @@ class LocalSwarm:
             cmd += ["--checkpoint-dir", str(cfg.out / "checkpoints" / label)]
         with log_path.open("wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(),
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+                                    start_new_session=True)
         return PeerProcess(label=label, region=region, data=data, proc=proc, log_path=log_path, summary_path=summary)
 
     # ------------------------------------------------------------------ run / stop

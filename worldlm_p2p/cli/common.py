@@ -65,8 +65,21 @@ def reap_children_on_death() -> None:
     os.register_at_fork(after_in_child=_set_parent_death_signal)
 
 
+def die_with_parent_if_asked() -> None:
+    """Processes started by ``worldlm-swarm`` (``WORLDLM_DIE_WITH_PARENT=1``) stop when the swarm
+    process dies, even by SIGKILL. Opt-in: a peer started from a shell with ``nohup`` must survive
+    its shell."""
+    if os.environ.get("WORLDLM_DIE_WITH_PARENT") != "1":
+        return
+    _set_parent_death_signal()
+    expected = os.environ.get("WORLDLM_PARENT_PID", "")
+    if expected.isdigit() and os.getppid() != int(expected):  # the parent died before prctl took effect
+        sys.exit(143)
+
+
 def run_main(prog: str, body: Callable[[], int | None]) -> NoReturn:
     """Run a CLI body; user errors become one line on stderr and exit code 2."""
+    die_with_parent_if_asked()
     reap_children_on_death()
     try:
         code = body() or 0

@@ -151,12 +151,14 @@ class _Watcher:
                 self.records = records.fetch_progress(self._dht, self._swarm.config.manifest.run_id)
         except Exception as e:  # the display is best effort; the swarm keeps running
             logger.warning("live display unavailable: %s", e)
+        finally:
+            # shut the DHT down from the thread that started it (its process dies with this thread)
+            if self._dht is not None:
+                self._dht.shutdown()
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
-        if self._dht is not None:
-            self._dht.shutdown()
+        self._thread.join(timeout=15)
 
 
 if __name__ == "__main__":

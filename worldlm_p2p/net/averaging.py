@@ -73,6 +73,7 @@ class RegionAverager(DecentralizedAverager):
             shutdown_timeout=3.0,
         )
         self._timeout = averaging.averaging_timeout
+        self._min_group_size = averaging.min_group_size
 
     # ------------------------------------------------------------------ state sharing (host side)
     def set_shared_state(self, *, round_index: int, tensors: Sequence[torch.Tensor]) -> None:
@@ -86,6 +87,23 @@ class RegionAverager(DecentralizedAverager):
     def get_current_state(self):
         with self._shared_lock:
             return dict(self._shared_meta), list(self._shared_tensors), None
+
+    # ------------------------------------------------------------------ group size
+    def set_target_group_size(self, size: int, *, timeout: float = 5.0) -> None:
+        """Close the next group as soon as ``size`` peers joined, instead of waiting for the whole
+        matchmaking window. The region barrier knows how many peers wait for the round; the
+        window remains the bound when one of them does not show up."""
+        from hivemind.utils.mpfuture import MPFuture
+
+        future = MPFuture()
+        self._outer_pipe.send(("_set_target_group_size", [max(int(size), self._min_group_size)], dict(future=future)))
+        future.result(timeout=timeout)
+
+    async def _set_target_group_size(self, size: int, future) -> None:  # runs in the averager process
+        # hivemind keeps the size in two places: the matchmaking loop and the leader bookkeeping
+        self._matchmaking.target_group_size = size
+        self._matchmaking.potential_leaders.target_group_size = size
+        future.set_result(None)
 
     # ------------------------------------------------------------------ rounds
     def run_round(self, tensors: Sequence[torch.Tensor], *, weight: float, gather: dict[str, Any]) -> RoundResult:
