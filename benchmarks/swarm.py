@@ -25,7 +25,8 @@ reported next to a baseline measured in the same run, because the machine is sha
 
 The default run adds an import probe (what a peer process spends importing), a subprocess
 alone run (cross-check of the in-process baseline) and a 2-peer swarm with half the
-matchmaking time (how much of a round is matchmaking).
+matchmaking time (whether a round still depends on the matchmaking window: since peers set
+hivemind's target group size to the number waiting at the region barrier, it should not).
 
 Usage::
 

@@ -111,6 +111,7 @@ class Peer:
         self.label = config.label or Path(config.data).name or config.region
         self._started = time.monotonic()
         self._train_started: float | None = None
+        self._was_alone = False
 
     # ------------------------------------------------------------------ control
     def stop(self) -> None:
@@ -278,11 +279,15 @@ class Peer:
                                            should_stop=self._stop.is_set)
         s.round = decision.round
         if decision.action is barrier.Action.ALONE or self._stop.is_set():
-            logger.info("round %d: no other live peer in region %s, training on locally", s.round,
-                        self.config.region)
+            if not self._stop.is_set():
+                level = logging.DEBUG if self._was_alone else logging.INFO
+                logger.log(level, "round %d: no other live peer in region %s, training on locally", s.round,
+                           self.config.region)
+            self._was_alone = True
             s.waiting_for_round = -1
             s.round += 1
             return
+        self._was_alone = False
         pre = [p.detach().to("cpu", copy=True) for p in get_flat_params(self.model)]
         weight = aggregation.round_weight(s.tokens_since_round)
         try:
