@@ -531,7 +531,10 @@ def run_swarm(args, *, n: int, corpus: Path, tmp: Path, matchmaking_time: float 
         per_peer.append(dict(**steady,
             label=p.get("label"), exit_code=p.get("exit_code"), error=p.get("error"), log_tail=tail,
             started_from=p.get("started_from"), steps=p.get("steps"), tokens=p.get("tokens"),
-            rounds_completed=rounds_done, rounds_failed=p.get("rounds_failed"), rounds_alone=ev.get("alone"),
+            rounds_completed=rounds_done, rounds_failed=p.get("rounds_failed"),
+            # rounds with no other live region peer: the peer logs only the first of a run of them
+            rounds_alone=max(0, (p.get("steps") or 0) // args.inner_steps - (rounds_done or 0)
+                             - (p.get("rounds_failed") or 0)),
             group_sizes=p.get("group_sizes"), round_seconds=rs,
             tokens_per_s=tps, train_elapsed_s=elapsed,
             tokens_per_s_excl_allreduce=(p["tokens"] / (elapsed - sum(rs)) if elapsed and elapsed > sum(rs)
