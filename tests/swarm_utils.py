@@ -167,13 +167,32 @@ def group_of(tmp: Path, label: str, r: int) -> list[dict]:
             for m in t["gathered"].values()]
 
 
-def round_error(group: list[dict]) -> float:
-    """Largest distance between a member's post-round model and the pure weighted mean of the
-    members' pre-round models (0 when the all-reduce delivered every part to every member)."""
-    from worldlm_p2p.aggregation import weighted_mean
+def round_rule(strategy: str = "worldlm", **aggregation):
+    """The round rule a peer of a FAST_RUN manifest uses (the tiny model's parameter names)."""
+    import tomllib
 
-    ref = weighted_mean([t["pre"] for t in group], [t["weight"] for t in group])
-    return max(max_abs_diff(t["post"], ref) for t in group)
+    from worldlm_p2p.config import RunManifest
+    from worldlm_p2p.rounds import RoundRule
+    from worldlm_p2p.split import split_parameters
+    from worldlm_p2p.train import build_model
+
+    data = tomllib.loads(FAST_RUN.format(run_id="x", inner_steps=5))
+    data["aggregation"] = dict(strategy=strategy, **aggregation)
+    m = RunManifest.from_dict(data)
+    names = [n for n, _ in build_model(m.model, vocab_size=259, seed=0).named_parameters()]
+    return RoundRule.from_config(m.aggregation, split_parameters(names, m.aggregation.key_layers), seed=m.train.seed)
+
+
+def round_error(group: list[dict], rule=None) -> float:
+    """Largest distance between a member's post-round model and what the pure round function
+    (:func:`worldlm_p2p.rounds.region_round`) computes centrally from the members' pre-round models,
+    weights and common anchor (0 when the all-reduce delivered every part to every member)."""
+    from worldlm_p2p.rounds import region_round
+
+    rule = rule or round_rule()
+    refs, _ = region_round(rule, [t["pre"] for t in group], [t["weight"] for t in group],
+                           anchor=group[0]["anchor"], momentum=None)
+    return max(max_abs_diff(t["post"], ref) for t, ref in zip(group, refs))
 
 
 def process_group(pgid: int) -> list[str]:

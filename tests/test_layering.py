@@ -9,9 +9,13 @@ import pytest
 CASES = [
     ("worldlm_p2p", ["torch", "hivemind", "transformers", "datasets"]),
     ("worldlm_p2p.aggregation", ["hivemind", "transformers", "datasets"]),
+    ("worldlm_p2p.split, worldlm_p2p.attention, worldlm_p2p.outer_optim, worldlm_p2p.residual, worldlm_p2p.rounds",
+     ["hivemind", "transformers", "datasets"]),  # (torch itself imports asyncio)
+    ("worldlm_p2p.simulate", ["hivemind"]),
     ("worldlm_p2p.config", ["torch", "hivemind", "transformers", "datasets"]),
     ("worldlm_p2p.checkpoint", ["hivemind", "transformers", "datasets"]),
-    ("worldlm_p2p.net.records, worldlm_p2p.net.averaging, worldlm_p2p.net.barrier, worldlm_p2p.net.dht",
+    ("worldlm_p2p.net.records, worldlm_p2p.net.averaging, worldlm_p2p.net.barrier, worldlm_p2p.net.dht, "
+     "worldlm_p2p.net.leader",
      ["transformers", "datasets"]),
     ("worldlm_p2p.train", ["hivemind"]),
 ]

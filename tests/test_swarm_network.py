@@ -1,6 +1,7 @@
 """Real hivemind processes on 127.0.0.1: a bootstrap node and CLI peers.
 
-These check the trunk's promises end to end: region rounds equal the pure token-weighted mean,
+These check the trunk's promises end to end: region rounds equal the pure round function (backbone
+by token-weighted mean, key layers by attention),
 regions never mix, late joiners start from the region's model, a SIGKILLed peer does not stall
 the others, and checkpoints resume.
 """
@@ -34,7 +35,7 @@ def _exit_ok(proc, tmp, label, timeout=240):
     assert code == 0, f"{label} exited {code}:\n{log_tail(tmp, label)}"
 
 
-def test_region_rounds_equal_weighted_mean_and_regions_stay_apart(procs, tmp_path):
+def test_region_rounds_equal_the_pure_round_and_regions_stay_apart(procs, tmp_path):
     _, maddrs = start_bootstrap(procs, tmp_path, run_id="iso", inner_steps=5)
     a = start_peer(procs, tmp_path, maddrs, region="eu", sub="de_news-reviews-wiki", label="eu-a", max_steps=25)
     b = start_peer(procs, tmp_path, maddrs, region="eu", sub="es_blog-news-reviews-wiki", label="eu-b",
@@ -61,13 +62,16 @@ def test_region_rounds_equal_weighted_mean_and_regions_stay_apart(procs, tmp_pat
         # the two peers really trained apart before the round ...
         assert max_abs_diff(group[0]["pre"], group[1]["pre"]) > 1e-4
         assert all(t["weight"] > 0 for t in group)
-        # ... and after it both hold the pure token-weighted mean of their pre-round states. (hivemind
+        # ... from the same anchor (the region's last agreed model, the attention's reference) ...
+        assert max_abs_diff(group[0]["anchor"], group[1]["anchor"]) < 1e-6  # float rounding of the all-reduce
+        # ... and after it both hold what rounds.region_round computes centrally: the backbone's
+        # token-weighted mean and the key layers' attentive aggregate of the pre-round states. (hivemind
         # lets a member keep its local values for a part whose reducer timed out, so a round on an
         # overloaded machine may be partial: then the error stays small, never arbitrary.)
         err = round_error(group)
         assert err < 0.05, (r, err)
         exact += err < 1e-5
-    assert exact >= 2, f"only {exact} of {len(rounds)} rounds equal the weighted mean"
+    assert exact >= 2, f"only {exact} of {len(rounds)} rounds equal the pure round"
 
 
 def test_late_joiner_loads_region_model_and_killed_peer_does_not_stall(procs, tmp_path):

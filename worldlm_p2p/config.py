@@ -23,7 +23,8 @@ from typing import Any, Mapping
 from worldlm_p2p.errors import ConfigError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-STRATEGIES = ("worldlm", "fedavg", "hierfavg", "fedper", "local")
+STRATEGIES = ("worldlm", "fedavg", "hierfavg", "fedper", "local")  # what a swarm runs
+SIM_STRATEGIES = (*STRATEGIES, "centralized")  # the simulator also has the pooled-data baseline
 
 
 def check_name(kind: str, value: str) -> str:
@@ -138,16 +139,51 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AggregationConfig:
-    """How region rounds combine models. Issue #2 averages the whole model by token-weighted mean;
-    the strategy name is carried so that the WorldLM split can plug in without a manifest change."""
+    """How rounds combine models (``shared/design/worldlm.md`` sections 2-5).
+
+    - ``strategy``: ``worldlm`` (region B mean + attentive K, world rounds via leaders with
+      residual embeddings), ``fedavg`` (one world group, whole model), ``hierfavg`` (region mean,
+      then world mean of everything), ``fedper`` (world mean of B, K per peer), ``local``;
+      ``centralized`` exists only in the simulator.
+    - ``key_layers``: which parameters are K: a preset of :data:`worldlm_p2p.split.KEY_LAYER_PRESETS`
+      or comma-separated ``fnmatch`` patterns.
+    - ``attention`` / ``tau`` / ``eps``: the K rule inside a region (:mod:`worldlm_p2p.attention`).
+    - ``world_every``: a world round after every M-th region round (``worldlm`` and ``hierfavg``).
+    - ``residual`` / ``residual_dim`` / ``residual_tau`` / ``residual_beta``: cross-region sharing of
+      K by residual embeddings (:mod:`worldlm_p2p.residual`).
+    - ``outer`` / ``outer_lr`` / ``outer_momentum``: the outer optimizer applied to the backbone at
+      region rounds (:mod:`worldlm_p2p.outer_optim`); ``sgd`` with lr 1 is FedAvg.
+    """
 
     strategy: str = "worldlm"
-    outer_lr: float = 1.0  # 1.0 = plain FedAvg: adopt the averaged model
+    key_layers: str = "kv"
+    attention: str = "distance"
+    tau: float = 0.1
+    eps: float = 1.0
+    world_every: int = 2
+    residual: bool = True
+    residual_dim: int = 256
+    residual_tau: float = 0.1
+    residual_beta: float = 0.5
+    outer: str = "sgd"
+    outer_lr: float = 1.0  # 1.0 with sgd = plain FedAvg: adopt the averaged model
+    outer_momentum: float = 0.9  # nesterov only
 
     def __post_init__(self) -> None:
-        _require(self.strategy in STRATEGIES, "aggregation.strategy",
-                 f"{self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        _require(self.strategy in SIM_STRATEGIES, "aggregation.strategy",
+                 f"{self.strategy!r} is not one of {', '.join(SIM_STRATEGIES)}")
+        _require(bool(self.key_layers.strip()), "aggregation.key_layers", "must name a preset or patterns")
+        _require(self.attention in ("distance", "cosine", "mean"), "aggregation.attention",
+                 f"{self.attention!r} is not one of distance, cosine, mean")
+        _require(self.tau > 0, "aggregation.tau", "must be > 0")
+        _require(0 < self.eps <= 2, "aggregation.eps", "must be in (0, 2]")
+        _require(self.world_every >= 1, "aggregation.world_every", "must be >= 1")
+        _require(self.residual_dim >= 1, "aggregation.residual_dim", "must be >= 1")
+        _require(self.residual_tau > 0, "aggregation.residual_tau", "must be > 0")
+        _require(0 <= self.residual_beta <= 1, "aggregation.residual_beta", "must be in [0, 1]")
+        _require(self.outer in ("sgd", "nesterov"), "aggregation.outer", f"{self.outer!r} is not one of sgd, nesterov")
         _require(0 < self.outer_lr <= 2, "aggregation.outer_lr", "must be in (0, 2]")
+        _require(0 <= self.outer_momentum < 1, "aggregation.outer_momentum", "must be in [0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -217,6 +253,8 @@ class RunManifest:
 
     def __post_init__(self) -> None:
         check_name("run id", self.run_id)
+        _require(self.aggregation.strategy in STRATEGIES, "aggregation.strategy",
+                 f"{self.aggregation.strategy!r} is a single-process baseline: run it with worldlm-simulate")
         _require(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
                  f"{self.train.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}")
 

@@ -24,7 +24,9 @@ class _NoTraceback(logging.Filter):
         return True
 
 
-def setup_logging(level: str | None = None, *, stream=None) -> None:
+def setup_logging(level: str | None = None, *, stream=None, hivemind: bool = True) -> None:
+    """Route logs to ``stream`` (stdout). ``hivemind=False`` skips hivemind's handler setup (and
+    its import) for tools that never start a DHT."""
     level = (level or os.environ.get("WORLDLM_LOGLEVEL", "INFO")).upper()
     handler = logging.StreamHandler(stream or sys.stdout)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
@@ -33,6 +35,10 @@ def setup_logging(level: str | None = None, *, stream=None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    for noisy in ("urllib3", "filelock", "datasets", "fsspec", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if not hivemind:
+        return
     try:
         from hivemind.utils.logging import use_hivemind_log_handler
 
@@ -42,8 +48,6 @@ def setup_logging(level: str | None = None, *, stream=None) -> None:
     hm = logging.getLogger("hivemind")
     hm.setLevel(logging.DEBUG if level == "DEBUG" else logging.ERROR)
     hm.propagate = True
-    for noisy in ("urllib3", "filelock", "datasets", "fsspec", "matplotlib"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
     # hivemind's background processes leave "Task exception was never retrieved" records about
     # peers that timed out; the round's outcome is logged by the peer itself
     logging.getLogger("asyncio").setLevel(logging.DEBUG if level == "DEBUG" else logging.CRITICAL)

@@ -22,24 +22,26 @@ import math
 import os
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from worldlm_p2p import aggregation
+from worldlm_p2p import aggregation, rounds
 from worldlm_p2p.checkpoint import load_latest_checkpoint, save_checkpoint
 from worldlm_p2p.config import PeerConfig, RunManifest, manifest_conflicts
-from worldlm_p2p.errors import CheckpointError, DataError, ManifestError
+from worldlm_p2p.errors import CheckpointError, ConfigError, DataError, ManifestError
 from worldlm_p2p.net import barrier, records
 from worldlm_p2p.net.averaging import RegionAverager
 from worldlm_p2p.net.dht import ensure_identity, start_dht
+from worldlm_p2p.split import split_parameters
 from worldlm_p2p.train import (LocalTrainer, build_model, get_flat_params, load_texts, load_tokenizer,
-                               resolve_device, set_params, tokenize_splits)
+                               peer_data_seed, resolve_device, set_params, tokenize_splits)
 
 logger = logging.getLogger(__name__)
+
+ALL_REGIONS = "_all"  # the group name of world-group strategies (no region can be named so)
 
 
 def fetch_run_manifest(dht, *, run_id: str | None, wait: float, should_stop=lambda: False) -> RunManifest:
@@ -146,13 +148,6 @@ class Peer:
         self._dht.add_validators(run_validators[2:])
         logger.info("joined run %s (manifest %s) as %s in region %s", self.manifest.run_id,
                     self.manifest.fingerprint(), self.peer_id, cfg.region)
-        if self.manifest.aggregation.strategy == "local":
-            logger.info("strategy local: this peer never averages")
-        else:
-            logger.info("strategy %s: region rounds average the whole model by token-weighted mean (the "
-                        "backbone/key-layer split and world rounds are not in this version yet)",
-                        self.manifest.aggregation.strategy)
-
         m = self.manifest
         self.tokenizer = load_tokenizer(m.tokenizer)
         self.data = tokenize_splits(splits, self.tokenizer)
@@ -161,21 +156,56 @@ class Peer:
                             f"training window of {m.train.seq_len + 1}")
         self.device = resolve_device(cfg.device)
         self.model = build_model(m.model, vocab_size=self.tokenizer.vocab_size, seed=m.train.seed).to(self.device)
-        data_seed = zlib.crc32(f"{m.train.seed}/{cfg.region}/{self.label}".encode())
+        data_seed = peer_data_seed(m.train.seed, cfg.region, self.label)
         self.trainer = LocalTrainer(model=self.model, train=m.train, data=self.data, device=self.device,
                                     seed=data_seed)
         self._anchor = [p.detach().to("cpu", copy=True) for p in get_flat_params(self.model)]
-        self._param_bytes = sum(t.numel() * 4 for t in self._anchor)
+        names = [n for n, _ in self.model.named_parameters()]
+        try:
+            split = split_parameters(names, m.aggregation.key_layers)
+        except ValueError as e:
+            raise ConfigError(f"aggregation.key_layers: {e}") from None
+        self.rule = rounds.RoundRule.from_config(m.aggregation, split, seed=m.train.seed)
+        self._momentum: list[torch.Tensor] | None = None
+        # fedavg and fedper average in one group of every peer of the run, the others per region
+        self.group = ALL_REGIONS if self.rule.world_group else cfg.region
+        self._log_strategy()
+        template = self._anchor if m.aggregation.strategy == "local" else rounds.region_payload(
+            self.rule, self._anchor, self._anchor)
+        self._payload_bytes = sum(t.numel() * 4 for t in template)
 
         resumed = self._maybe_resume()
-        self._averager = RegionAverager(tensors=self._anchor, dht=self._dht, run_id=m.run_id,
-                                        region=cfg.region, averaging=m.averaging, fingerprint=m.fingerprint())
+        self._averager = RegionAverager(tensors=template, dht=self._dht, run_id=m.run_id,
+                                        region=self.group, averaging=m.averaging, fingerprint=m.fingerprint())
         if not resumed:
             self._maybe_join_region()
-        self._averager.set_shared_state(round_index=self.stats.round, tensors=self._anchor)
+        self._share_state()
         self._publish_progress()
         self._publisher = threading.Thread(target=self._publish_loop, name="progress", daemon=True)
         self._publisher.start()
+
+    def _log_strategy(self) -> None:
+        rule, m = self.rule, self.manifest
+        agg = m.aggregation
+        if agg.strategy == "local":
+            logger.info("strategy local: this peer never averages")
+        elif agg.strategy == "worldlm":
+            logger.info("strategy worldlm: region rounds average the backbone by token-weighted mean (outer %s) and "
+                        "the %d key layers (%s) by %s attention (tau %g, eps %g); world rounds every %d region "
+                        "rounds", agg.outer, len(rule.split.key), agg.key_layers, agg.attention, agg.tau, agg.eps,
+                        agg.world_every)
+        else:
+            logger.info("strategy %s: %s rounds (outer %s)%s", agg.strategy,
+                        "world-group" if rule.world_group else "region", agg.outer,
+                        f", the {len(rule.split.key)} key layers ({agg.key_layers}) stay with each peer"
+                        if agg.strategy == "fedper" else "")
+
+    def _share_state(self, round_index: int | None = None) -> None:
+        """Serve the region's last agreed model (and the outer momentum) to late joiners."""
+        tensors = list(self._anchor) + (list(self._momentum) if self._momentum is not None else [])
+        self._averager.set_shared_state(round_index=self.stats.round if round_index is None else round_index,
+                                        tensors=tensors,
+                                        n_momentum=len(self._momentum or []))
 
     def _maybe_resume(self) -> bool:
         cfg, m = self.config, self.manifest
@@ -194,6 +224,7 @@ class Peer:
             self.model.load_state_dict(p["model"])
             self.trainer.load_state_dict(p["optimizer"])
             self._anchor = [t.to("cpu") for t in p["anchor"]]
+            self._momentum = [t.to("cpu") for t in p["momentum"]] if p.get("momentum") is not None else None
         except (KeyError, RuntimeError, ValueError) as e:
             raise CheckpointError(f"checkpoint {loaded.path} does not fit this model: {type(e).__name__}") from None
         s = self.stats
@@ -210,8 +241,8 @@ class Peer:
     def _other_region_records(self) -> list[records.ProgressRecord]:
         with self._dht_lock:
             recs = records.fetch_progress(self._dht, self.manifest.run_id)
-        return [r for r in recs if r.region == self.config.region and r.peer_id != self.peer_id
-                and r.fingerprint == self.manifest.fingerprint()]
+        return [r for r in recs if (self.group == ALL_REGIONS or r.region == self.config.region)
+                and r.peer_id != self.peer_id and r.fingerprint == self.manifest.fingerprint()]
 
     def _maybe_join_region(self) -> None:
         others = [r for r in self._other_region_records() if not r.finished]
@@ -230,11 +261,19 @@ class Peer:
                            "initialisation", self.config.join_state_timeout)
             return
         meta, tensors = loaded
-        if meta.get("fingerprint") != self.manifest.fingerprint() or len(tensors) != len(self._anchor) or any(
+        n_mom = meta.get("n_momentum", 0)
+        n_anchor = len(tensors) - n_mom if isinstance(n_mom, int) else -1
+        if meta.get("fingerprint") != self.manifest.fingerprint() or n_anchor != len(self._anchor) or n_mom not in (
+                0, len(self.rule.backbone(self._anchor))) or any(
                 a.shape != b.shape for a, b in zip(tensors, self._anchor)):
             logger.warning("rejected region state from a peer: it does not match this run's model")
             return
-        self._anchor = [t.detach().to("cpu", torch.float32).clone() for t in tensors]
+        tensors = [t.detach().to("cpu", torch.float32).clone() for t in tensors]
+        self._anchor, momentum = tensors[:n_anchor], tensors[n_anchor:]
+        self._momentum = momentum or None
+        if self.rule.strategy == "fedper":  # the key layers are per peer: keep this peer's own
+            self._anchor = self.rule.split.merge(self.rule.split.take_backbone(self._anchor),
+                                                 self.rule.split.take_key(get_flat_params(self.model)))
         set_params(self.model, self._anchor)
         self.stats.round = int(meta.get("round", 0))
         self.stats.started_from = "region"
@@ -289,36 +328,46 @@ class Peer:
             return
         self._was_alone = False
         pre = [p.detach().to("cpu", copy=True) for p in get_flat_params(self.model)]
+        anchor = self._anchor
         weight = aggregation.round_weight(s.tokens_since_round)
+        payload = rounds.region_payload(self.rule, pre, anchor)
         try:
             self._averager.set_target_group_size(min(decision.waiting + 1, m.averaging.target_group_size))
         except Exception as e:  # an older or changed hivemind: fall back to the full matchmaking window
             logger.debug("could not set the target group size: %s", e)
-        result = self._averager.run_round(pre, weight=weight, gather=dict(
+        result = self._averager.run_round(payload, weight=weight, gather=dict(
             label=self.label, weight=weight, tokens=s.tokens_since_round, round=s.round))
         if result.ok and not all(bool(torch.isfinite(t).all()) for t in result.averaged):
             result = dataclasses.replace(result, ok=False, averaged=None,
                                          error="the group's average is not finite (a peer sent NaN/inf)")
+        new = None
         if result.ok:
-            new = aggregation.outer_step(self._anchor, result.averaged, m.aggregation.outer_lr)
+            try:
+                new, momentum = rounds.region_apply(self.rule, result.averaged, params=pre, anchor=anchor,
+                                                    momentum=self._momentum)
+            except ValueError as e:  # e.g. a non-positive attention denominator from a corrupted part
+                result = dataclasses.replace(result, ok=False, averaged=None, error=f"unusable average: {e}")
+        if result.ok:
+            self._momentum = momentum
             set_params(self.model, new)
             self._anchor = [t.detach().to("cpu", copy=True) for t in new]
             s.rounds_completed += 1
             s.group_sizes.append(result.group_size)
             s.round_seconds.append(result.seconds)
-            sent, received = aggregation.allreduce_traffic(self._param_bytes, result.group_size)
+            sent, received = aggregation.allreduce_traffic(self._payload_bytes, result.group_size)
             s.bytes_sent += sent
             s.bytes_received += received
             s.tokens_since_round = 0
             if s.seconds_to_first_round is None:
                 s.seconds_to_first_round = time.monotonic() - self._started
-            self._averager.set_shared_state(round_index=s.round + 1, tensors=self._anchor)
+            self._share_state(round_index=s.round + 1)
             logger.info("round %d: averaged with %d peers in %.2fs (weight %.0f)", s.round, result.group_size,
                         result.seconds, weight)
         else:
             s.rounds_failed += 1
             logger.warning("round %d: all-reduce failed (%s); keeping the local model", s.round, result.error)
-        self._trace(f"round-{s.round:05d}", dict(ok=result.ok, weight=weight, pre=pre, gathered=result.gathered,
+        self._trace(f"round-{s.round:05d}", dict(ok=result.ok, weight=weight, pre=pre, anchor=anchor,
+                                                 gathered=result.gathered,
                                                  post=[p.detach().to("cpu", copy=True) for p in
                                                        get_flat_params(self.model)]))
         s.round += 1
@@ -342,7 +391,7 @@ class Peer:
         payload = dict(
             run_id=self.manifest.run_id, fingerprint=self.manifest.fingerprint(), region=self.config.region,
             model={k: v.detach().to("cpu") for k, v in self.model.state_dict().items()},
-            optimizer=self.trainer.state_dict(), anchor=self._anchor,
+            optimizer=self.trainer.state_dict(), anchor=self._anchor, momentum=self._momentum,
             stats=dict(step=s.step, tokens=s.tokens, round=s.round, rounds_completed=s.rounds_completed,
                        rounds_failed=s.rounds_failed, bytes_sent=s.bytes_sent, bytes_received=s.bytes_received,
                        tokens_since_round=s.tokens_since_round, first_train_loss=s.first_train_loss,

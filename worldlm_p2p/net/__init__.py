@@ -1,7 +1,8 @@
 """Networking on hivemind (never imports transformers or datasets).
 
 - ``dht``: multiaddr validation, identity files, joining the DHT with bounded retries.
-- ``records``: signed, schema-validated DHT records (run manifests, peer progress).
+- ``records``: signed, schema-validated DHT records (run manifests, peer progress, leader leases).
 - ``averaging``: the region all-reduce (``RegionAverager``) and late-joiner state download.
 - ``barrier``: waiting for the live peers of a region before a round.
+- ``leader``: electing one leader per region through an expiring DHT lease.
 """

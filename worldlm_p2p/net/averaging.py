@@ -76,12 +76,13 @@ class RegionAverager(DecentralizedAverager):
         self._min_group_size = averaging.min_group_size
 
     # ------------------------------------------------------------------ state sharing (host side)
-    def set_shared_state(self, *, round_index: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Publish the region's last agreed model, served to late joiners."""
+    def set_shared_state(self, *, round_index: int, tensors: Sequence[torch.Tensor], **meta: Any) -> None:
+        """Publish the region's last agreed model (and whatever else ``tensors`` carries, described
+        by the small scalars in ``meta``), served to late joiners."""
         copies = [t.detach().to("cpu", copy=True) for t in tensors]
         with self._shared_lock:
             self._shared_tensors = copies
-            self._shared_meta = dict(self._shared_meta, round=int(round_index))
+            self._shared_meta = dict(self._shared_meta, round=int(round_index), **meta)
         self.state_sharing_priority = float(round_index)
 
     def get_current_state(self):

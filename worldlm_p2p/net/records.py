@@ -1,9 +1,11 @@
-"""Signed, schema-validated DHT records: run manifests and peer progress.
+"""Signed, schema-validated DHT records: run manifests, peer progress and leader candidacies.
 
-Two DHT keys are used per run (hivemind serialises values with msgpack):
+Three DHT keys are used per run (hivemind serialises values with msgpack):
 
 - ``worldlm_runs``: one subkey per publisher (a bootstrap node), value = :class:`ManifestRecord`.
 - ``<run_id>_progress``: one subkey per peer, value = :class:`ProgressRecord`.
+- ``<run_id>_leaders``: one subkey per peer, value = :class:`LeaseRecord` (a candidacy for its
+  region's leader lease; the election itself is in :mod:`worldlm_p2p.net.leader`).
 
 Every subkey carries its owner's public key (``[owner:<rsa key>]``) and every value is signed by
 hivemind's ``RSASignatureValidator``, so no peer can write into another's subkey; the pydantic
@@ -33,10 +35,12 @@ logger = logging.getLogger(__name__)
 RUNS_PREFIX = "worldlm"
 RUNS_KEY = f"{RUNS_PREFIX}_runs"
 
-_Str = pydantic.constr(strict=True, max_length=256)
+_MAX_STR = 256
+_Str = pydantic.constr(strict=True, max_length=_MAX_STR)
 _Count = pydantic.conint(strict=True, ge=0)
 _Float = pydantic.confloat(strict=True, allow_inf_nan=False)
 _NonNegFloat = pydantic.confloat(strict=True, ge=0, allow_inf_nan=False)
+MAX_LEASE_MADDRS = 8  # multiaddrs a lease record may carry (each at most _MAX_STR characters)
 
 
 class _ProgressModel(pydantic.BaseModel):
@@ -61,6 +65,19 @@ class _ProgressModel(pydantic.BaseModel):
         extra = pydantic.Extra.forbid
 
 
+class _LeaseModel(pydantic.BaseModel):
+    region: _Str
+    peer_id: _Str
+    since: _NonNegFloat
+    expires: _NonNegFloat
+    fingerprint: _Str
+    world_round: pydantic.conint(strict=True, ge=-1)
+    maddrs: pydantic.conlist(_Str, max_items=MAX_LEASE_MADDRS)
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
 class _ManifestModel(pydantic.BaseModel):
     run_id: _Str
     fingerprint: _Str
@@ -79,14 +96,21 @@ class _ProgressSchema(pydantic.BaseModel):
     progress: dict[BytesWithPublicKey, _ProgressModel]
 
 
+class _LeadersSchema(pydantic.BaseModel):
+    leaders: dict[BytesWithPublicKey, _LeaseModel]
+
+
 def make_validators(run_id: str | None, private_key) -> list:
     """Validators every DHT node of the run must use (also bootstrap nodes, which store records).
 
     ``private_key``: the identity's RSA key, so a restarted process keeps its records' ownership.
+    The first two validators (signature, run manifests) do not depend on ``run_id``; the run's own
+    schemas follow them, so a node that learns the run id later adds ``make_validators(...)[2:]``.
     """
     validators: list = [RSASignatureValidator(private_key), SchemaValidator(_RunsSchema, prefix=RUNS_PREFIX)]
     if run_id is not None:
         validators.append(SchemaValidator(_ProgressSchema, prefix=run_id))
+        validators.append(SchemaValidator(_LeadersSchema, prefix=run_id))
     return validators
 
 
@@ -99,6 +123,10 @@ def owner_subkey(validators) -> bytes:
 
 def progress_key(run_id: str) -> str:
     return f"{run_id}_progress"
+
+
+def leaders_key(run_id: str) -> str:
+    return f"{run_id}_leaders"
 
 
 # ----------------------------------------------------------------------------------- records
@@ -146,6 +174,48 @@ class ProgressRecord:
         except pydantic.ValidationError as e:
             raise ValueError(" ".join(str(e).split())) from None
         return cls(**parsed.dict())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LeaseRecord:
+    """A peer's candidacy for its region's leader lease (see :mod:`worldlm_p2p.net.leader`).
+
+    ``since``: DHT time the peer became a candidate (the oldest candidate wins). ``expires``: DHT
+    time until which the candidacy holds; the owner renews it before then, and a withdrawing peer
+    publishes ``expires = now``. ``world_round``: the world round the peer is at (-1: none yet).
+    ``maddrs``: where other peers can reach it (at most :data:`MAX_LEASE_MADDRS`).
+    """
+
+    region: str
+    peer_id: str
+    since: float
+    expires: float
+    fingerprint: str  # run manifest fingerprint
+    world_round: int = -1
+    maddrs: tuple[str, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in ("since", "expires"):
+            v = float(d[k])
+            d[k] = v if math.isfinite(v) and v >= 0 else 0.0
+        d["world_round"] = max(-1, int(d["world_round"]))
+        # a list, not a tuple (msgpack); addresses beyond the schema's limits are left out
+        d["maddrs"] = [str(m) for m in d["maddrs"] if len(str(m)) <= _MAX_STR][:MAX_LEASE_MADDRS]
+        return d
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "LeaseRecord":
+        """Parse and validate; raises ``ValueError`` on anything malformed."""
+        if not isinstance(value, Mapping):
+            raise ValueError(f"lease record must be a map, got {type(value).__name__}")
+        try:
+            parsed = _LeaseModel.parse_obj(dict(value))
+        except pydantic.ValidationError as e:
+            raise ValueError(" ".join(str(e).split())) from None
+        d = parsed.dict()
+        d["maddrs"] = tuple(d["maddrs"])
+        return cls(**d)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -221,6 +291,28 @@ def fetch_progress(dht, run_id: str) -> list[ProgressRecord]:
             out.append(ProgressRecord.from_wire(item.value))
         except ValueError as e:
             logger.warning("rejected a progress record from %s: %s", _short(subkey), e)
+    return out
+
+
+def publish_lease(dht, validators, run_id: str, record: LeaseRecord, *, ttl: float) -> bool:
+    """Store this peer's lease record under its own subkey; the DHT drops it ``ttl`` seconds from now.
+
+    hivemind replaces a subkey's value only by one that expires later, so every publication
+    (a withdrawal too, whose ``record.expires`` is now) must use the same ``ttl`` or a longer one.
+    """
+    return bool(dht.store(leaders_key(run_id), record.to_wire(), expiration_time=get_dht_time() + ttl,
+                          subkey=owner_subkey(validators), return_future=False))
+
+
+def fetch_leases(dht, run_id: str) -> list[LeaseRecord]:
+    """Lease records of a run still held by the DHT (their ``expires`` may have passed: the election
+    checks it; malformed records are logged and skipped)."""
+    out = []
+    for subkey, item in _entries(dht.get(leaders_key(run_id), latest=True)).items():
+        try:
+            out.append(LeaseRecord.from_wire(item.value))
+        except ValueError as e:
+            logger.warning("rejected a lease record from %s: %s", _short(subkey), e)
     return out
 
 

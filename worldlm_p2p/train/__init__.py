@@ -22,6 +22,7 @@ from worldlm_p2p.train.data import (
     eval_batches,
     list_corpus,
     load_texts,
+    peer_data_seed,
     sample_batch,
     tokenize_splits,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "load_texts",
     "tokenize_splits",
     "sample_batch",
+    "peer_data_seed",
     "eval_batches",
     "demo_data_dir",
     "list_corpus",

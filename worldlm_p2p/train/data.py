@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -294,6 +295,12 @@ def batch_generator(*, seed: int, step: int) -> torch.Generator:
     g = torch.Generator(device="cpu")
     g.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
     return g
+
+
+def peer_data_seed(seed: int, region: str, label: str) -> int:
+    """The seed of a peer's batch stream: a function of the run seed, its region and its label, so
+    the swarm and the simulator draw the same batches for the same peer."""
+    return zlib.crc32(f"{seed}/{region}/{label}".encode())
 
 
 def sample_batch(

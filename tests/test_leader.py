@@ -1,0 +1,265 @@
+"""Region leader election: the pure rule, and LeaderLease over an in-memory DHT (no processes)."""
+
+import itertools
+import logging
+import random
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.crypto import RSAPrivateKey
+
+from worldlm_p2p.net import leader as leader_mod
+from worldlm_p2p.net import records
+from worldlm_p2p.net.leader import LeaderLease, elect
+from worldlm_p2p.net.records import LeaseRecord
+
+
+def _lease(peer_id="a", *, region="eu", since=10.0, expires=100.0, fingerprint="fp", **kw):
+    return LeaseRecord(region=region, peer_id=peer_id, since=since, expires=expires, fingerprint=fingerprint, **kw)
+
+
+# ----------------------------------------------------------------------------------- elect
+
+
+def test_elect_empty_and_all_expired_give_none():
+    assert elect([], region="eu", now=0.0) is None
+    # a record expires at ``expires`` (a withdrawal publishes expires = now)
+    assert elect([_lease(expires=50.0), _lease("b", expires=49.0)], region="eu", now=50.0) is None
+
+
+def test_elect_ignores_expired_records_even_if_older():
+    old_dead = _lease("a", since=1.0, expires=50.0)
+    young_live = _lease("b", since=5.0, expires=60.0)
+    assert elect([old_dead, young_live], region="eu", now=55.0) == young_live
+    assert elect([old_dead, young_live], region="eu", now=40.0) == old_dead
+
+
+def test_elect_smallest_since_wins_then_peer_id():
+    recs = [_lease("m", since=3.0), _lease("c", since=2.0), _lease("z", since=2.0), _lease("a", since=9.0)]
+    assert elect(recs, region="eu", now=0.0).peer_id == "c"
+    assert elect([_lease("b", since=2.0), _lease("a", since=2.0)], region="eu", now=0.0).peer_id == "a"
+
+
+def test_elect_ignores_other_regions_and_fingerprints():
+    na = _lease("a", region="na", since=0.0)
+    other_run = _lease("b", since=1.0, fingerprint="other")
+    mine = _lease("c", since=5.0)
+    assert elect([na, other_run, mine], region="eu", now=0.0, fingerprint="fp") == mine
+    assert elect([na, other_run, mine], region="eu", now=0.0) == other_run  # no fingerprint: any run
+    assert elect([na, other_run, mine], region="na", now=0.0) == na
+    assert elect([na, other_run, mine], region="asia", now=0.0) is None
+    assert elect([other_run], region="eu", now=0.0, fingerprint="fp") is None
+
+
+def test_elect_is_order_independent():
+    recs = [_lease("b", since=2.0), _lease("a", since=2.0, expires=5.0), _lease("c", since=2.0),
+            _lease("a", since=2.0, expires=90.0, world_round=3), _lease("a", since=2.0, expires=90.0),
+            _lease("d", since=1.0, region="na")]
+    for now in (0.0, 10.0, 95.0):
+        expected = elect(recs, region="eu", now=now)
+        for perm in itertools.permutations(recs):
+            assert elect(perm, region="eu", now=now) == expected
+    assert elect(recs, region="eu", now=10.0) == recs[4]  # peer a, unexpired; the ties end deterministically
+    rng = random.Random(0)
+    many = [_lease(f"p{rng.randrange(20)}", since=float(rng.randrange(5)), expires=float(rng.randrange(5, 30)))
+            for _ in range(60)]
+    expected = elect(many, region="eu", now=10.0)
+    for _ in range(200):
+        rng.shuffle(many)
+        assert elect(many, region="eu", now=10.0) == expected
+
+
+def test_elect_skips_non_finite_records():
+    good = _lease("b", since=3.0)
+    assert elect([_lease("a", since=float("nan")), good], region="eu", now=0.0) == good
+    assert elect([_lease("a", since=float("nan")), good][::-1], region="eu", now=0.0) == good
+
+
+def test_lease_record_wire_round_trip_and_rejections():
+    rec = _lease(world_round=4, maddrs=("/ip4/127.0.0.1/tcp/1/p2p/Qm",))
+    assert LeaseRecord.from_wire(rec.to_wire()) == rec
+    assert isinstance(rec.to_wire()["maddrs"], list)
+    for bad in (dict(since=-1.0), dict(since=1), dict(world_round=-2), dict(region=3), dict(extra=1),
+                dict(maddrs=["x"] * 9), dict(maddrs=["x" * 257]), dict(maddrs="abc"), dict(expires=None)):
+        with pytest.raises(ValueError):
+            LeaseRecord.from_wire(dict(rec.to_wire(), **bad))
+    with pytest.raises(ValueError):
+        LeaseRecord.from_wire([1, 2])
+    # to_wire keeps records within the schema: too many or too long addresses are left out
+    wide = _lease(maddrs=tuple(f"/ip4/10.0.0.{i}/tcp/1" for i in range(12)) + ("y" * 300,), since=float("inf"))
+    back = LeaseRecord.from_wire(wide.to_wire())
+    assert len(back.maddrs) == records.MAX_LEASE_MADDRS and back.since == 0.0
+
+
+def test_make_validators_keeps_run_independent_validators_first():
+    key = RSAPrivateKey()
+    base, run = records.make_validators(None, key), records.make_validators("r", key)
+    assert len(base) == 2 and len(run) == 4
+    assert [type(v) for v in run[:2]] == [type(v) for v in base]
+
+
+# ----------------------------------------------------------------------------------- LeaderLease
+
+
+class FakeDHT:
+    """The part of ``hivemind.DHT`` that records use, in memory and shared by every FakeDHT on
+    the same ``store`` dict; keeps hivemind's rule that a subkey only takes a later expiration."""
+
+    def __init__(self, store: dict, clock) -> None:
+        self.data = store
+        self.clock = clock
+        self.fail = False
+
+    def store(self, key, value, expiration_time, subkey=None, return_future=False):
+        if self.fail:
+            raise RuntimeError("dht down")
+        entries = self.data.setdefault(key, {})
+        old = entries.get(subkey)
+        if expiration_time < self.clock() or (old is not None and old[1] >= expiration_time):
+            return False
+        entries[subkey] = (value, expiration_time)
+        return True
+
+    def get(self, key, latest=False):
+        if self.fail:
+            raise RuntimeError("dht down")
+        now = self.clock()
+        live = {k: SimpleNamespace(value=v, expiration_time=e) for k, (v, e) in self.data.get(key, {}).items()
+                if e >= now}
+        return SimpleNamespace(value=live, expiration_time=now) if live else None
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture()
+def swarm(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(leader_mod, "get_dht_time", clock)
+    monkeypatch.setattr(records, "get_dht_time", clock)
+    shared: dict = {}
+
+    def lease(peer_id, region="eu", **kw):
+        dht = FakeDHT(shared, clock)
+        kw.setdefault("ttl", 6.0)
+        return LeaderLease(dht=dht, validators=[RSASignatureValidator(RSAPrivateKey())], run_id="r", region=region,
+                           peer_id=peer_id, fingerprint="fp", **kw), dht
+
+    return SimpleNamespace(clock=clock, lease=lease)
+
+
+def test_lease_validates_its_periods(swarm):
+    with pytest.raises(ValueError):
+        swarm.lease("a", ttl=0.0)
+    with pytest.raises(ValueError):
+        swarm.lease("a", ttl=3.0, renew_every=3.0)
+    lease, _ = swarm.lease("a", ttl=6.0)
+    assert lease.renew_every == pytest.approx(2.0)
+
+
+def test_oldest_candidate_leads_and_newcomers_do_not_take_over(swarm, caplog):
+    caplog.set_level(logging.INFO, logger="worldlm_p2p.net.leader")
+    a, _ = swarm.lease("a", since=5.0)
+    b, _ = swarm.lease("b", since=1.0)
+    c, _ = swarm.lease("c", since=9.0, region="na")
+    assert a.leader() is None and not a.is_leader()
+    for lease in (a, b, c):
+        lease.renew()
+    a.renew()
+    assert a.leader().peer_id == b.leader().peer_id == "b"
+    assert b.is_leader() and not a.is_leader()
+    assert c.is_leader() and c.leader().region == "na"
+    assert "this peer is now the leader" in caplog.text
+
+    newcomer, _ = swarm.lease("0-newcomer")  # smaller peer id, but joins later: no takeover
+    newcomer._since = swarm.clock.t
+    newcomer.renew()
+    a.renew()
+    assert {x.leader().peer_id for x in (a, b, newcomer)} == {"b"}
+
+
+def test_dead_leader_expires_within_one_ttl(swarm):
+    a, _ = swarm.lease("a", since=1.0, ttl=6.0)
+    b, _ = swarm.lease("b", since=2.0, ttl=6.0)
+    a.renew(), b.renew()
+    assert b.leader().peer_id == "a"
+    swarm.clock.t += 5.9  # a died after its renewal; b keeps renewing
+    b.renew()
+    assert b.leader().peer_id == "a"
+    swarm.clock.t += 0.2  # a's lease ran out: b elects itself even before its next refresh
+    assert b.leader().peer_id == "b" and b.is_leader()
+    b.renew()
+    assert b.is_leader()
+
+
+def test_withdraw_hands_over_at_once_and_a_return_queues_behind(swarm):
+    a, _ = swarm.lease("a", since=1.0)
+    b, _ = swarm.lease("b", since=2.0)
+    a.renew(), b.renew()
+    assert a.is_leader()
+    assert a.withdraw()
+    assert not a.is_leader()
+    b.renew()  # the withdrawal is in the DHT: b takes over without waiting for the TTL
+    assert b.is_leader() and b.leader().peer_id == "b"
+    a.renew()  # a withdrawn peer publishes nothing more
+    assert a.leader().peer_id == "b"
+
+    swarm.clock.t += 1.0
+    a.eligible = True  # back, but with a new since: behind b
+    a.renew(), b.renew()
+    assert b.is_leader() and a.leader().peer_id == "b"
+    a.eligible = False  # withdrawal published at the next renewal
+    b.eligible = False
+    b.renew(), a.renew(), b.renew()
+    assert a.leader() is None and b.leader() is None
+
+
+def test_dht_errors_never_raise_and_an_unrenewed_lease_lapses(swarm):
+    a, dht = swarm.lease("a", since=1.0, ttl=3.0)
+    a.renew()
+    assert a.is_leader()
+    dht.fail = True
+    assert a.renew().peer_id == "a"  # still within the lease
+    assert not a.withdraw()  # refused by the DHT; locally no longer a candidate
+    assert not a.is_leader()
+    a.eligible = True
+    swarm.clock.t += 3.1
+    assert a.renew() is None and not a.is_leader()  # cannot renew: the lease lapses
+    dht.fail = False
+    a.renew()
+    assert a.is_leader()
+
+
+def test_thread_renews_and_stops(monkeypatch):
+    shared: dict = {}
+    dht = FakeDHT(shared, time.time)
+    lock = threading.Lock()
+    lease = LeaderLease(dht=dht, validators=[RSASignatureValidator(RSAPrivateKey())], run_id="r", region="eu",
+                        peer_id="a", fingerprint="fp", ttl=0.3, lock=lock)
+    lease.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not lease.is_leader() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lease.is_leader()
+        dht.fail = True  # errors are swallowed by the thread
+        time.sleep(0.25)
+        assert lease._thread.is_alive()
+        dht.fail = False
+        time.sleep(0.25)
+        first = shared[records.leaders_key("r")]
+        assert LeaseRecord.from_wire(next(iter(first.values()))[0]).expires > time.time()
+        with pytest.raises(RuntimeError):
+            lease.start()
+    finally:
+        lease.stop(withdraw=True)
+    assert not lease._thread.is_alive() and not lease.is_leader()
+    assert LeaseRecord.from_wire(next(iter(shared[records.leaders_key("r")].values()))[0]).expires <= time.time()

@@ -1,0 +1,257 @@
+"""Region and world rounds for every strategy, against the pure functions they are built from."""
+
+import math
+
+import pytest
+import torch
+
+from worldlm_p2p import attention, residual
+from worldlm_p2p.aggregation import weighted_mean
+from worldlm_p2p.outer_optim import outer_update
+from worldlm_p2p.rounds import (FETCH_MIN_WEIGHT, RoundRule, region_apply, region_payload, region_round,
+                                world_round)
+from worldlm_p2p.split import split_parameters
+
+NAMES = ["embed.weight", "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.v_proj.weight",
+         "layers.0.mlp.weight"]
+SPLIT = split_parameters(NAMES, "kv")  # key = (1, 2), backbone = (0, 3)
+SHAPES = [(3,), (2, 2), (2,), (2, 3)]
+T = torch.tensor
+LN2 = math.log(2.0)
+
+
+def _model(g, scale=1.0, base=None):
+    if base is None:
+        return [scale * torch.randn(s, generator=g) for s in SHAPES]
+    return [b + scale * torch.randn(s, generator=g) for b, s in zip(base, SHAPES)]
+
+
+def _region(n_members=3, seed=0, scale=0.2):
+    g = torch.Generator().manual_seed(seed)
+    anchor = _model(g)
+    members = [_model(g, scale, anchor) for _ in range(n_members)]
+    tokens = [float(t) for t in torch.randint(1, 1000, (n_members,), generator=g)]
+    return anchor, members, tokens
+
+
+def _close(xs, ys, atol=1e-6):
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        assert torch.allclose(x, y, atol=atol, rtol=1e-5), (x, y)
+
+
+def test_split_of_the_toy_names():
+    assert SPLIT.key == (1, 2) and SPLIT.backbone == (0, 3)
+
+
+@pytest.mark.parametrize("strategy, localises, world_group, world_rounds", [
+    ("worldlm", True, False, True),
+    ("fedavg", False, True, False),
+    ("hierfavg", False, False, True),
+    ("fedper", True, True, False),
+    ("local", False, False, False),
+])
+def test_round_rule_properties(strategy, localises, world_group, world_rounds):
+    rule = RoundRule(strategy=strategy, split=SPLIT)
+    assert (rule.localises, rule.world_group, rule.has_world_rounds) == (localises, world_group, world_rounds)
+    xs = [torch.full((1,), float(i)) for i in range(4)]
+    assert [float(x) for x in rule.backbone(xs)] == ([0.0, 3.0] if localises else [0.0, 1.0, 2.0, 3.0])
+
+
+def test_round_rule_from_config():
+    from worldlm_p2p.config import AggregationConfig
+
+    agg = AggregationConfig(strategy="hierfavg", tau=0.5, eps=0.5, outer="nesterov", outer_lr=0.7,
+                            residual=False, residual_dim=8, residual_tau=0.2, residual_beta=0.3)
+    rule = RoundRule.from_config(agg, SPLIT, seed=5)
+    assert (rule.strategy, rule.tau, rule.eps, rule.outer, rule.outer_lr, rule.seed) == \
+        ("hierfavg", 0.5, 0.5, "nesterov", 0.7, 5)
+    assert (rule.residual, rule.residual_dim, rule.residual_tau, rule.residual_beta) == (False, 8, 0.2, 0.3)
+    assert rule.split is SPLIT
+
+
+def test_region_payload_raises_for_local():
+    anchor, members, _ = _region()
+    with pytest.raises(ValueError):
+        region_payload(RoundRule(strategy="local", split=SPLIT), members[0], anchor)
+
+
+def test_region_payload_layout():
+    anchor, members, _ = _region()
+    p = region_payload(RoundRule(strategy="fedavg", split=SPLIT), members[0], anchor)
+    assert len(p) == 4 and all(torch.equal(a, b) for a, b in zip(p, members[0]))
+    p = region_payload(RoundRule(strategy="fedper", split=SPLIT), members[0], anchor)
+    assert len(p) == 2  # B only: fedper never sends K
+    p = region_payload(RoundRule(strategy="worldlm", split=SPLIT), members[0], anchor)
+    assert len(p) == 2 + 2 + 1  # B, u_l K_l per key layer, u
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "hierfavg"])
+def test_region_round_whole_model_mean(strategy):
+    anchor, members, tokens = _region(seed=1)
+    out, mom = region_round(RoundRule(strategy=strategy, split=SPLIT), members, tokens, anchor=anchor, momentum=None)
+    mean = weighted_mean(members, tokens)
+    assert mom is None and len(out) == 3
+    for o in out:
+        _close(o, mean)
+
+
+def test_region_round_hand_computed_fedavg():
+    # two members, tokens 1 and 3: (1 x + 3 y) / 4
+    rule = RoundRule(strategy="fedavg", split=SPLIT)
+    x = [T([0.0, 0.0, 4.0]), torch.zeros(2, 2), T([1.0, 1.0]), torch.zeros(2, 3)]
+    y = [T([4.0, 8.0, 0.0]), torch.ones(2, 2), T([1.0, 5.0]), torch.full((2, 3), 2.0)]
+    out, _ = region_round(rule, [x, y], [1, 3], anchor=x, momentum=None)
+    _close(out[0], [T([3.0, 6.0, 1.0]), torch.full((2, 2), 0.75), T([1.0, 4.0]), torch.full((2, 3), 1.5)])
+
+
+def test_region_round_fedper_keeps_each_members_key():
+    anchor, members, tokens = _region(seed=2)
+    out, _ = region_round(RoundRule(strategy="fedper", split=SPLIT), members, tokens, anchor=anchor, momentum=None)
+    b_mean = weighted_mean([SPLIT.take_backbone(m) for m in members], tokens)
+    for o, m in zip(out, members):
+        _close(SPLIT.take_backbone(o), b_mean)
+        _close(SPLIT.take_key(o), SPLIT.take_key(m))  # K never averaged
+    assert not torch.allclose(out[0][1], out[1][1])
+
+
+@pytest.mark.parametrize("form, tau, eps", [("distance", 0.1, 1.0), ("cosine", 0.05, 1.0),
+                                            ("distance", 0.5, 0.5), ("mean", 1.0, 1.0)])
+def test_region_round_worldlm(form, tau, eps):
+    anchor, members, tokens = _region(seed=3, scale=0.3)
+    rule = RoundRule(strategy="worldlm", split=SPLIT, attention=form, tau=tau, eps=eps)
+    out, mom = region_round(rule, members, tokens, anchor=anchor, momentum=None)
+    b_mean = weighted_mean([SPLIT.take_backbone(m) for m in members], tokens)
+    k_att = attention.attentive_aggregate([SPLIT.take_key(m) for m in members], SPLIT.take_key(anchor), tokens,
+                                          form=form, tau=tau, eps=eps)
+    assert mom is None
+    for o in out:
+        _close(SPLIT.take_backbone(o), b_mean)
+        _close(SPLIT.take_key(o), k_att, atol=1e-5)
+    # the attention matters here: K is not the plain token-weighted mean (except for the mean form)
+    k_mean = weighted_mean([SPLIT.take_key(m) for m in members], tokens)
+    assert (form == "mean") == all(torch.allclose(a, b, atol=1e-5) for a, b in zip(k_att, k_mean))
+
+
+@pytest.mark.parametrize("strategy", ["worldlm", "hierfavg", "fedper"])
+def test_region_round_nesterov_outer(strategy):
+    rule = RoundRule(strategy=strategy, split=SPLIT, outer="nesterov", outer_lr=0.7, outer_momentum=0.9)
+    anchor, members, tokens = _region(seed=4)
+    g = torch.Generator().manual_seed(40)
+    ref_b, ref_m = rule.backbone(anchor), None
+    momentum = None
+    for _ in range(3):  # three rounds, members drift from the new anchor each time
+        out, momentum = region_round(rule, members, tokens, anchor=anchor, momentum=momentum)
+        avg_b = weighted_mean([rule.backbone(m) for m in members], tokens)
+        ref_b, ref_m = outer_update(ref_b, avg_b, ref_m, kind="nesterov", lr=0.7, mu=0.9)
+        for o in out:
+            _close(rule.backbone(o), ref_b, atol=1e-5)
+        _close(momentum, ref_m, atol=1e-5)
+        anchor = out[0] if strategy != "fedper" else SPLIT.merge(SPLIT.take_backbone(out[0]), SPLIT.take_key(anchor))
+        members = [_model(g, 0.2, o) for o in out]
+    # not just the mean: momentum moves the backbone past it
+    assert not all(torch.allclose(a, b, atol=1e-4) for a, b in zip(ref_b, avg_b))
+
+
+def test_region_apply_rejects_short_payload():
+    anchor, members, _ = _region()
+    rule = RoundRule(strategy="worldlm", split=SPLIT)
+    with pytest.raises(ValueError):
+        region_apply(rule, [torch.zeros(3)], params=members[0], anchor=anchor, momentum=None)
+
+
+# ------------------------------------------------------------------------------ world rounds
+
+
+def _regions(seed=5, scale=0.3):
+    g = torch.Generator().manual_seed(seed)
+    base = _model(g)
+    regions = {r: _model(g, scale, base) for r in ("asia", "eu", "na")}
+    tokens = {"asia": 300.0, "eu": 1000.0, "na": 500.0}
+    return regions, tokens
+
+
+def test_world_round_hierfavg_is_the_token_weighted_mean():
+    regions, tokens = _regions()
+    res = world_round(RoundRule(strategy="hierfavg", split=SPLIT), regions, tokens)
+    mean = weighted_mean([regions[r] for r in ("eu", "na", "asia")], [tokens[r] for r in ("eu", "na", "asia")])
+    assert set(res.models) == set(regions) and res.weights == {} and res.fetched == {}
+    for m in res.models.values():
+        _close(m, mean)
+
+
+def test_world_round_worldlm_without_residual():
+    regions, tokens = _regions()
+    res = world_round(RoundRule(strategy="worldlm", split=SPLIT, residual=False), regions, tokens)
+    b_mean = weighted_mean([SPLIT.take_backbone(regions[r]) for r in regions], [tokens[r] for r in regions])
+    for r, m in res.models.items():
+        _close(SPLIT.take_backbone(m), b_mean)
+        assert all(torch.equal(a, b) for a, b in zip(SPLIT.take_key(m), SPLIT.take_key(regions[r])))
+    assert res.weights == {} and res.fetched == {}
+
+
+def test_world_round_worldlm_residual_hand_computed():
+    # Two regions with equal tokens: K_world = mean, so r_na = -r_eu exactly and (the sketch is linear)
+    # cos(e_eu, e_na) = -1 on every layer. With residual_tau = 1/ln2: a_eu,na = 2^-1 / (2^1 + 2^-1) = 1/5.
+    # K_eu <- K_eu + beta * 1/5 * (r_na - r_eu) = K_eu - 2 beta / 5 * r_eu = K_eu - 0.2 r_eu (beta = 0.5).
+    # k_proj: K_eu = [[4,0],[0,0]], K_na = [[0,2],[0,0]] -> K_world = [[2,1],[0,0]], r_eu = [[2,-1],[0,0]]
+    #   -> K_eu' = [[4 - 0.4, 0 + 0.2], [0, 0]] = [[3.6, 0.2], [0, 0]], K_na' = [[0.4, 1.8], [0, 0]]
+    # v_proj: K_eu = [1, 3], K_na = [3, 3] -> K_world = [2, 3], r_eu = [-1, 0]
+    #   -> K_eu' = [1.2, 3], K_na' = [2.8, 3]
+    eu = [T([1.0, 2.0, 3.0]), T([[4.0, 0.0], [0.0, 0.0]]), T([1.0, 3.0]), torch.zeros(2, 3)]
+    na = [T([3.0, 2.0, 1.0]), T([[0.0, 2.0], [0.0, 0.0]]), T([3.0, 3.0]), torch.ones(2, 3)]
+    rule = RoundRule(strategy="worldlm", split=SPLIT, residual=True, residual_dim=16, residual_tau=1 / LN2,
+                     residual_beta=0.5)
+    res = world_round(rule, {"eu": eu, "na": na}, {"eu": 10.0, "na": 10.0})
+    b_world = [T([2.0, 2.0, 2.0]), torch.full((2, 3), 0.5)]
+    _close(SPLIT.take_backbone(res.models["eu"]), b_world)
+    _close(SPLIT.take_backbone(res.models["na"]), b_world)
+    _close(SPLIT.take_key(res.models["eu"]), [T([[3.6, 0.2], [0.0, 0.0]]), T([1.2, 3.0])], atol=1e-5)
+    _close(SPLIT.take_key(res.models["na"]), [T([[0.4, 1.8], [0.0, 0.0]]), T([2.8, 3.0])], atol=1e-5)
+    assert res.weights["eu"]["na"] == pytest.approx([0.2, 0.2], abs=1e-6)
+    assert res.weights["eu"]["eu"] == pytest.approx([0.8, 0.8], abs=1e-6)
+    assert res.fetched == {"eu": ["na"], "na": ["eu"]}
+
+    # a small residual_tau: the opposite region weighs 1 / (1 + e^(2/0.1)) < FETCH_MIN_WEIGHT, so it is
+    # not fetched and K stays the region's own
+    assert 1 / (1 + math.exp(20)) < FETCH_MIN_WEIGHT
+    rule = RoundRule(strategy="worldlm", split=SPLIT, residual=True, residual_dim=16, residual_tau=0.1)
+    res = world_round(rule, {"eu": eu, "na": na}, {"eu": 10.0, "na": 10.0})
+    assert res.fetched == {"eu": [], "na": []}
+    _close(SPLIT.take_key(res.models["eu"]), SPLIT.take_key(eu))
+    _close(SPLIT.take_key(res.models["na"]), SPLIT.take_key(na))
+
+
+def test_world_round_worldlm_residual_matches_the_formula():
+    regions, tokens = _regions(seed=6)
+    names = sorted(regions)
+    rule = RoundRule(strategy="worldlm", split=SPLIT, residual=True, residual_dim=8, residual_tau=2.0,
+                     residual_beta=0.7, seed=3)
+    out = world_round(rule, regions, tokens)
+    # independent reference: K_world = token-weighted mean of K; r_R = K_R - K_world; embeddings are
+    # per-layer count sketches; K_R' = K_R + beta * sum_{G != R} a_RG,l (r_G,l - r_R,l), written per layer
+    total = sum(tokens.values())
+    keys = {r: SPLIT.take_key(regions[r]) for r in names}
+    k_world = [sum(tokens[r] / total * keys[r][l].double() for r in names) for l in range(2)]
+    res = {r: [keys[r][l].double() - k_world[l] for l in range(2)] for r in names}
+    emb = {r: residual.residual_embedding(res[r], dim=8, seed=3) for r in names}
+    b_world = [sum(tokens[r] / total * SPLIT.take_backbone(regions[r])[j].double() for r in names) for j in range(2)]
+    for r in names:
+        w = residual.cross_region_weights(emb, r, tau=2.0)  # tau 2: every weight is far above the threshold
+        assert all(float(w[g].min()) > FETCH_MIN_WEIGHT for g in names)
+        want_k = [keys[r][l].double() + 0.7 * sum(w[g][l] * (res[g][l] - res[r][l]) for g in names if g != r)
+                  for l in range(2)]
+        _close(SPLIT.take_key(out.models[r]), [k.float() for k in want_k], atol=1e-5)
+        _close(SPLIT.take_backbone(out.models[r]), [b.float() for b in b_world], atol=1e-5)
+        assert out.fetched[r] == [g for g in names if g != r]
+        assert set(out.weights[r]) == set(names)
+        # the world's K itself is never adopted
+        assert not torch.allclose(SPLIT.take_key(out.models[r])[0], k_world[0].float(), atol=1e-3)
+
+
+def test_world_round_single_region_is_unchanged_for_worldlm():
+    regions, tokens = _regions()
+    one = {"eu": regions["eu"]}
+    res = world_round(RoundRule(strategy="worldlm", split=SPLIT), one, {"eu": tokens["eu"]})
+    _close(res.models["eu"], regions["eu"])

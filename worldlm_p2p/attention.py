@@ -1,0 +1,117 @@
+"""Attentive aggregation of the key layers inside a region (pure: imports torch only).
+
+Per layer ``l`` every member ``i`` of a region round holds the same reference ``K_ref,l`` (the
+region's last agreed key layers) and its own ``K_il``. Its score is computed locally:
+
+- ``distance`` (FedAtt-style, Ji et al. 2019, arXiv 1812.07108, with the design doc's sign: a
+  distant, possibly off-distribution or poisoned contribution gets *less* weight):
+  ``s_il = -||K_il - K_ref,l|| / (tau * ||K_ref,l||)``;
+- ``cosine``: ``s_il = cos(K_il, K_ref,l) / tau``;
+- ``mean``: ``s_il = 0`` (plain token-weighted mean, the ablation).
+
+Weights combine scores with token counts ``n_i``: ``a_il = n_i exp(s_il) / sum_j n_j exp(s_jl)``
+(a softmax over peers, per layer, with a token prior), and the update is
+``K_l <- K_ref,l + eps * sum_i a_il (K_il - K_ref,l)``.
+
+One all-reduce suffices: hivemind computes ``sum_i w_i x_i / sum_i w_i``. Peer ``i`` sends
+``x_i = [u_i1 K_i1, ..., u_iL K_iL, (u_i1..u_iL)]`` with ``u_il = exp(s_il)`` and weight
+``w_i = n_i``; dividing the reduced ``u K`` parts by the reduced ``u`` gives ``sum_i a_il K_il``
+(:func:`encode_key_layers` / :func:`decode_key_layers`). Since ``s <= 0`` for ``distance`` and
+``s <= 1/tau`` for ``cosine`` (shifted to ``<= 0``), ``u`` never overflows; scores are clamped at
+:data:`MIN_SCORE` so that ``u`` never underflows to an all-zero denominator.
+
+Invariants (tested): ``tau -> inf`` gives the token-weighted mean; one peer with ``eps = 1`` gives
+that peer's layers; the result does not depend on the order of peers; weights sum to one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+ATTENTION_FORMS = ("distance", "cosine", "mean")
+MIN_SCORE = -60.0  # exp(-60) ~ 1e-26: representable in float32, so a denominator is never zero
+_TINY = 1e-12
+
+
+def layer_scores(key: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], *, form: str,
+                 tau: float) -> torch.Tensor:
+    """Scores ``s_l`` (float64, one per layer) of one peer's key layers against the reference."""
+    if form not in ATTENTION_FORMS:
+        raise ValueError(f"attention form {form!r} is not one of {ATTENTION_FORMS}")
+    if not tau > 0:
+        raise ValueError(f"tau must be > 0, got {tau}")
+    if len(key) != len(reference):
+        raise ValueError(f"{len(key)} key layers but {len(reference)} reference layers")
+    for l, (k, r) in enumerate(zip(key, reference)):
+        if k.shape != r.shape:  # before flattening: (1, n) vs (n,) would broadcast silently
+            raise ValueError(f"layer {l}: shape {tuple(k.shape)} != reference {tuple(r.shape)}")
+    out = torch.zeros(len(key), dtype=torch.float64)
+    if form == "mean" or math.isinf(tau):
+        return out
+    for l, (k, r) in enumerate(zip(key, reference)):
+        k64, r64 = k.detach().to(torch.float64).flatten(), r.detach().to(torch.float64).flatten()
+        if form == "distance":
+            s = -float(torch.linalg.vector_norm(k64 - r64)) / (tau * max(float(torch.linalg.vector_norm(r64)), _TINY))
+        else:  # cosine, shifted by -1/tau so that s <= 0 (a common shift leaves the softmax unchanged)
+            cos = float(k64 @ r64) / max(float(torch.linalg.vector_norm(k64) * torch.linalg.vector_norm(r64)), _TINY)
+            s = (cos - 1.0) / tau
+        out[l] = max(s, MIN_SCORE)
+    return out
+
+
+def attention_weights(scores: torch.Tensor, tokens: Sequence[float]) -> torch.Tensor:
+    """``a[i, l] = n_i exp(s_il) / sum_j n_j exp(s_jl)`` for ``scores`` of shape (peers, layers)."""
+    scores = torch.as_tensor(scores, dtype=torch.float64)
+    n = torch.as_tensor([float(t) for t in tokens], dtype=torch.float64)
+    if scores.dim() != 2 or scores.shape[0] != n.numel() or n.numel() == 0:
+        raise ValueError(f"need scores of shape (peers, layers) and one token count per peer, got "
+                         f"{tuple(scores.shape)} and {n.numel()}")
+    if bool((n < 0).any()) or float(n.sum()) <= 0:
+        raise ValueError("token counts must be non-negative with a positive sum")
+    logits = scores + torch.log(n.clamp_min(1e-300)).unsqueeze(1)
+    return torch.softmax(logits, dim=0)
+
+
+def attentive_aggregate(keys: Sequence[Sequence[torch.Tensor]], reference: Sequence[torch.Tensor],
+                        tokens: Sequence[float], *, form: str = "distance", tau: float = 1.0,
+                        eps: float = 1.0) -> list[torch.Tensor]:
+    """The central reference: ``K_ref,l + eps * sum_i a_il (K_il - K_ref,l)`` for every layer.
+
+    ``keys[i][l]`` is layer ``l`` of peer ``i``; ``tokens[i]`` its token count since the last round."""
+    if len(keys) == 0 or len(keys) != len(tokens):
+        raise ValueError(f"need one token count per peer, got {len(keys)} peers and {len(tokens)} counts")
+    scores = torch.stack([layer_scores(k, reference, form=form, tau=tau) for k in keys])
+    a = attention_weights(scores, tokens)
+    out = []
+    for l, ref in enumerate(reference):
+        r64 = ref.detach().to(torch.float64)
+        step = sum(a[i, l] * (keys[i][l].detach().to(torch.float64) - r64) for i in range(len(keys)))
+        out.append((r64 + eps * step).to(ref.dtype))
+    return out
+
+
+def encode_key_layers(key: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], *, form: str,
+                      tau: float) -> list[torch.Tensor]:
+    """One peer's all-reduce payload for its key layers: ``[u_l K_l for l] + [u]`` (float32), to be
+    averaged with weight ``n_i`` (the peer's tokens) in the same all-reduce as the backbone."""
+    u = torch.exp(layer_scores(key, reference, form=form, tau=tau))
+    return [(u[l] * k.detach().to(torch.float64)).to(torch.float32) for l, k in enumerate(key)] + [u.to(torch.float32)]
+
+
+def decode_key_layers(averaged: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], *,
+                      eps: float) -> list[torch.Tensor]:
+    """Turn the all-reduced payload of :func:`encode_key_layers` into the new key layers."""
+    if len(averaged) != len(reference) + 1:
+        raise ValueError(f"payload has {len(averaged)} tensors, expected {len(reference) + 1}")
+    u = averaged[-1].to(torch.float64)
+    if u.numel() != len(reference) or bool((u <= 0).any()) or not bool(torch.isfinite(u).all()):
+        raise ValueError("attention denominators must be positive and finite")
+    out = []
+    for l, ref in enumerate(reference):
+        r64 = ref.detach().to(torch.float64)
+        mean_k = averaged[l].to(torch.float64) / u[l]
+        out.append((r64 + eps * (mean_k - r64)).to(ref.dtype))
+    return out

@@ -1,0 +1,164 @@
+"""``worldlm-simulate``: every strategy over a federated corpus in one process, for experiments.
+
+    worldlm-simulate --data DIR --strategy worldlm --model tiny --rounds 10 --local-steps 20 \\
+        --world-every 2 --seed 0 --out results.json
+
+One virtual peer per ``<region>/<sub_corpus>``; the results JSON maps ``regions`` and ``peers`` to
+``loss``, ``perplexity`` and ``bits_per_byte`` (plus tokens and bytes sent per peer) and gives
+``wall_seconds``. ``--run-config run.toml`` takes the model, tokenizer, training and aggregation
+settings from a run manifest; flags given explicitly override it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+from worldlm_p2p.cli.common import ArgumentParser, install_stop_handlers, run_main
+
+PROG = "worldlm-simulate"
+logger = logging.getLogger(PROG)
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description="Simulate a WorldLM federation (or a baseline) in one process.")
+    p.add_argument("--data", help="federated corpus <region>/<sub_corpus>/{train,valid}.txt "
+                                  "(default: the bundled demo slice)")
+    p.add_argument("--strategy", help="worldlm, fedavg, hierfavg, fedper, local or centralized (default worldlm)")
+    p.add_argument("--model", help="model preset: tiny, small, base, large (default tiny)")
+    p.add_argument("--rounds", type=int, default=10, help="region rounds (default 10)")
+    p.add_argument("--local-steps", type=int, help="H: local steps per round (default 20)")
+    p.add_argument("--world-every", type=int, help="M: a world round every M region rounds (default 2)")
+    p.add_argument("--seed", type=int, help="seed of the model init and the batch streams (default 0)")
+    p.add_argument("--out", default="results.json", help="results JSON (default results.json)")
+    p.add_argument("--run-config", metavar="TOML", help="take model/tokenizer/train/aggregation from a run manifest")
+    p.add_argument("--batch-size", type=int, help="sequences per step (default 8)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 128)")
+    p.add_argument("--lr", type=float, help="inner AdamW learning rate (default 3e-3)")
+    p.add_argument("--eval-tokens", type=int, help="held-out tokens per peer for evaluation (default 16384; 0 = all)")
+    p.add_argument("--eval-rounds", default="", help="extra evaluation points, comma-separated round counts")
+    p.add_argument("--key-layers", help="kv, last30, embed_head or comma-separated name patterns (default kv)")
+    p.add_argument("--attention", help="K rule in a region: distance, cosine or mean (default distance)")
+    p.add_argument("--tau", type=float, help="attention temperature (default 0.1)")
+    p.add_argument("--eps", type=float, help="attention step size (default 1.0)")
+    p.add_argument("--no-residual", action="store_true", help="no residual-embedding exchange in world rounds")
+    p.add_argument("--residual-beta", type=float, help="step towards similar regions' key layers (default 0.5)")
+    p.add_argument("--residual-tau", type=float, help="temperature of the cross-region attention (default 0.1)")
+    p.add_argument("--outer", help="outer optimizer: sgd or nesterov (default sgd)")
+    p.add_argument("--outer-lr", type=float, help="outer learning rate (default 1.0)")
+    p.add_argument("--outer-momentum", type=float, help="Nesterov momentum (default 0.9)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    return p
+
+
+def _overrides(args) -> dict[str, dict]:
+    """The flags given explicitly, as manifest sections."""
+    o: dict[str, dict] = {"train": {}, "aggregation": {}}
+    for flag, section, key in (("local_steps", "train", "inner_steps"), ("seed", "train", "seed"),
+                               ("batch_size", "train", "batch_size"), ("seq_len", "train", "seq_len"),
+                               ("lr", "train", "lr"), ("eval_tokens", "train", "eval_tokens"),
+                               ("strategy", "aggregation", "strategy"), ("world_every", "aggregation", "world_every"),
+                               ("key_layers", "aggregation", "key_layers"), ("attention", "aggregation", "attention"),
+                               ("tau", "aggregation", "tau"), ("eps", "aggregation", "eps"),
+                               ("residual_beta", "aggregation", "residual_beta"),
+                               ("residual_tau", "aggregation", "residual_tau"), ("outer", "aggregation", "outer"),
+                               ("outer_lr", "aggregation", "outer_lr"),
+                               ("outer_momentum", "aggregation", "outer_momentum")):
+        value = getattr(args, flag)
+        if value is not None:
+            o[section][key] = value
+    if args.no_residual:
+        o["aggregation"]["residual"] = False
+    return o
+
+
+def make_config(args):
+    from pathlib import Path
+
+    from worldlm_p2p.config import (AggregationConfig, TokenizerSpec, TrainConfig, _build_section, load_toml,
+                                    model_preset)
+    from worldlm_p2p.errors import ConfigError
+    from worldlm_p2p.simulate import SimConfig
+    from worldlm_p2p.train import demo_data_dir
+
+    base: dict = load_toml(args.run_config) if args.run_config else {}
+    for name, values in _overrides(args).items():
+        base[name] = {**dict(base.get(name, {}) or {}), **values}
+    model = dict(base.get("model", {}) or {})
+    if args.model is not None:
+        model = {"preset": args.model}
+    preset = model.pop("preset", "tiny")
+    model_cfg = model_preset(preset) if preset != "custom" else None
+    if model_cfg is None or model:
+        from worldlm_p2p.config import ModelConfig
+
+        values = dataclasses.asdict(model_cfg) if model_cfg else {}
+        values.update(model)
+        model_cfg = _build_section(ModelConfig, "model", values)
+    try:
+        eval_rounds = tuple(sorted({int(x) for x in args.eval_rounds.split(",") if x.strip()}))
+    except ValueError:
+        raise ConfigError(f"--eval-rounds {args.eval_rounds!r}: expected comma-separated integers") from None
+    data = Path(args.data) if args.data else demo_data_dir()
+    return SimConfig(
+        data=str(data), model=model_cfg,
+        tokenizer=_build_section(TokenizerSpec, "tokenizer", base.get("tokenizer", {}) or {}),
+        train=_build_section(TrainConfig, "train", base.get("train", {}) or {}),
+        aggregation=_build_section(AggregationConfig, "aggregation", base.get("aggregation", {}) or {}),
+        rounds=args.rounds, eval_rounds=tuple(r for r in eval_rounds if r <= args.rounds) if eval_rounds else (),
+        device=args.device)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        from pathlib import Path
+
+        from worldlm_p2p.errors import ConfigError
+
+        if args.rounds < 1:
+            raise ConfigError("--rounds must be a positive integer")
+        if args.threads < 1:
+            raise ConfigError("--threads must be a positive integer")
+        out = Path(args.out)
+        if out.is_dir():
+            raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'results.json'}")
+        config = make_config(args)
+
+        import torch
+
+        from worldlm_p2p.logs import setup_logging
+        from worldlm_p2p.simulate import Simulator, write_results
+
+        torch.set_num_threads(args.threads)
+        setup_logging(hivemind=False)
+        if logging.getLogger().level > logging.DEBUG:
+            logging.getLogger("worldlm_p2p.train.data").setLevel(logging.WARNING)  # one line per sub-corpus
+        stop = threading.Event()
+        install_stop_handlers(stop.set)
+        last = {"pct": -10}
+
+        def progress(done: int, total: int) -> None:
+            pct = 100 * done // total
+            if pct >= last["pct"] + 10:
+                last["pct"] = pct - pct % 10
+                logger.info("%d%% of %d local steps", last["pct"], total)
+
+        logger.info("%s on %s: model %s, %d rounds of %d local steps", config.aggregation.strategy, config.data,
+                    config.model.preset, config.rounds, config.train.inner_steps)
+        sim = Simulator(config, should_stop=stop.is_set, on_progress=progress)
+        results = sim.run()
+        path = write_results(results, out)
+        regions = ", ".join(f"{r} {v['perplexity']:.3f}" for r, v in results["regions"].items())
+        logger.info("%s: region perplexity %s; world %.3f; %.0f s; results in %s", config.aggregation.strategy,
+                    regions, results["world"]["perplexity"], results["wall_seconds"], path)
+        return 0
+
+    run_main(PROG, body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""What a region round and a world round compute, for every strategy (pure: imports torch only).
+
+The swarm and the simulator share these functions; only the averaging differs (a hivemind
+all-reduce in the swarm, :func:`worldlm_p2p.aggregation.weighted_mean` in the simulator and in
+tests). A round is three steps:
+
+1. :func:`region_payload`: what a member puts into the all-reduce (weight: its tokens);
+2. the all-reduce: ``sum_i w_i x_i / sum_i w_i`` over the group;
+3. :func:`region_apply`: turn the averaged payload into the member's next model.
+
+Per strategy (``shared/design/worldlm.md`` section 5):
+
+============  ==============================  ===============================  =========================
+strategy      backbone B                      key layers K                     group
+============  ==============================  ===============================  =========================
+worldlm       token-weighted mean + outer     attentive (:mod:`.attention`)    region
+fedavg        the whole model, mean + outer   (part of B)                      world (every peer)
+hierfavg      the whole model, mean + outer   (part of B)                      region; world via leaders
+fedper        mean + outer                    never aggregated (per peer)      world
+local         -                               -                                none
+============  ==============================  ===============================  =========================
+
+World rounds (``worldlm`` and ``hierfavg``, every ``world_every`` region rounds, leaders only):
+:func:`world_payload` / :func:`world_apply` (the leaders' all-reduce of B, and K for the world
+reference) and, for ``worldlm``, the residual-embedding exchange (:mod:`.residual`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from worldlm_p2p import attention, residual
+from worldlm_p2p.aggregation import weighted_mean
+from worldlm_p2p.outer_optim import outer_update
+from worldlm_p2p.split import ParamSplit
+
+FETCH_MIN_WEIGHT = 1e-3  # a leader fetches another region's full residual only above this weight
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoundRule:
+    """The part of :class:`~worldlm_p2p.config.AggregationConfig` a round needs, plus the split."""
+
+    strategy: str
+    split: ParamSplit
+    attention: str = "distance"
+    tau: float = 0.1
+    eps: float = 1.0
+    outer: str = "sgd"
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.9
+    residual: bool = True
+    residual_dim: int = 256
+    residual_tau: float = 0.1
+    residual_beta: float = 0.5
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, agg, split: ParamSplit, *, seed: int) -> "RoundRule":
+        return cls(strategy=agg.strategy, split=split, attention=agg.attention, tau=agg.tau, eps=agg.eps,
+                   outer=agg.outer, outer_lr=agg.outer_lr, outer_momentum=agg.outer_momentum,
+                   residual=agg.residual, residual_dim=agg.residual_dim, residual_tau=agg.residual_tau,
+                   residual_beta=agg.residual_beta, seed=seed)
+
+    @property
+    def localises(self) -> bool:
+        """True when K is handled apart from B."""
+        return self.strategy in ("worldlm", "fedper")
+
+    @property
+    def world_group(self) -> bool:
+        """True when region rounds span every peer of the run (one world group)."""
+        return self.strategy in ("fedavg", "fedper")
+
+    @property
+    def has_world_rounds(self) -> bool:
+        return self.strategy in ("worldlm", "hierfavg")
+
+    def backbone(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return self.split.take_backbone(tensors) if self.localises else list(tensors)
+
+
+# ------------------------------------------------------------------------------ region rounds
+
+
+def region_payload(rule: RoundRule, params: Sequence[torch.Tensor], anchor: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A member's all-reduce payload: B (or the whole model), then the encoded K for ``worldlm``."""
+    if rule.strategy == "local":
+        raise ValueError("strategy local never averages")
+    out = [p.detach().to(torch.float32) for p in rule.backbone(params)]
+    if rule.strategy == "worldlm":
+        out += attention.encode_key_layers(rule.split.take_key(params), rule.split.take_key(anchor),
+                                           form=rule.attention, tau=rule.tau)
+    return out
+
+
+def region_apply(rule: RoundRule, averaged: Sequence[torch.Tensor], *, params: Sequence[torch.Tensor],
+                 anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """The member's next model (the new region anchor, except for ``fedper``'s own K) and the
+    outer optimizer's momentum, from the averaged payload."""
+    n_b = len(rule.backbone(anchor))
+    if len(averaged) < n_b:
+        raise ValueError(f"averaged payload has {len(averaged)} tensors, fewer than the {n_b} of the backbone")
+    new_b, new_m = outer_update(rule.backbone(anchor), averaged[:n_b], momentum, kind=rule.outer,
+                                lr=rule.outer_lr, mu=rule.outer_momentum)
+    new_b = [b.to(a.dtype) for b, a in zip(new_b, rule.backbone(anchor))]
+    if not rule.localises:
+        return new_b, new_m
+    if rule.strategy == "fedper":
+        new_k = [p.detach().clone() for p in rule.split.take_key(params)]
+    else:
+        new_k = attention.decode_key_layers(averaged[n_b:], rule.split.take_key(anchor), eps=rule.eps)
+    return rule.split.merge(new_b, new_k), new_m
+
+
+def region_round(rule: RoundRule, members: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], *,
+                 anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None
+                 ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor] | None]:
+    """The central reference of a whole region round: every member's next model, and the momentum.
+
+    This is exactly what the swarm computes, with the all-reduce replaced by :func:`weighted_mean`."""
+    payloads = [region_payload(rule, p, anchor) for p in members]
+    averaged = weighted_mean(payloads, weights)
+    out, new_m = [], momentum
+    for p in members:
+        new, new_m = region_apply(rule, averaged, params=p, anchor=anchor, momentum=momentum)
+        out.append(new)
+    return out, new_m
+
+
+# ------------------------------------------------------------------------------ world rounds
+
+
+def world_payload(rule: RoundRule, region_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A leader's payload in the leaders' all-reduce (weight: the region's tokens since the last
+    world round): the whole region model. For ``worldlm`` its K part gives ``K_world``, the
+    reference of the residuals; it is not adopted."""
+    return [p.detach().to(torch.float32) for p in region_params]
+
+
+def world_backbone(rule: RoundRule, averaged: Sequence[torch.Tensor], region_params: Sequence[torch.Tensor]
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(model with the world's B and, for hierfavg, the world's K; K_world)`` from the leaders'
+    averaged payload. For ``worldlm`` the region keeps its own K until :func:`residual_update`."""
+    averaged = [a.to(p.dtype) for a, p in zip(averaged, region_params)]
+    if rule.strategy == "hierfavg":
+        return list(averaged), []
+    k_world = rule.split.take_key(averaged)
+    merged = rule.split.merge(rule.split.take_backbone(averaged),
+                              [p.detach().clone() for p in rule.split.take_key(region_params)])
+    return merged, k_world
+
+
+def region_residual(rule: RoundRule, region_params: Sequence[torch.Tensor], k_world: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``r_R = K_R - K_world``."""
+    return [k.detach() - w.to(k.dtype) for k, w in zip(rule.split.take_key(region_params), k_world)]
+
+
+def embed(rule: RoundRule, res: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The residual embedding a leader publishes (shape (key layers, residual_dim))."""
+    return residual.residual_embedding(res, dim=rule.residual_dim, seed=rule.seed)
+
+
+def residual_fetch_list(rule: RoundRule, embeddings: Mapping[str, torch.Tensor], region: str
+                        ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Cross-region weights of ``region`` and the other regions whose full residual it needs."""
+    weights = residual.cross_region_weights(embeddings, region, tau=rule.residual_tau)
+    need = sorted(g for g, a in weights.items() if g != region and float(a.max()) >= FETCH_MIN_WEIGHT)
+    return weights, need
+
+
+def residual_update(rule: RoundRule, region_params: Sequence[torch.Tensor], res: Sequence[torch.Tensor],
+                    fetched: Mapping[str, Sequence[torch.Tensor]], weights: Mapping[str, torch.Tensor]
+                    ) -> list[torch.Tensor]:
+    """The region's model with ``K_R <- K_R + beta * sum_G a_RG (r_G - r_R)`` over the fetched ``G``."""
+    new_k = residual.cross_region_update(rule.split.take_key(region_params), res, fetched, weights,
+                                         beta=rule.residual_beta)
+    return rule.split.merge(rule.split.take_backbone(region_params), new_k)
+
+
+@dataclass(frozen=True, slots=True)
+class WorldRoundResult:
+    models: dict[str, list[torch.Tensor]]  # region -> its next model
+    weights: dict[str, dict[str, list[float]]]  # region -> {G: per-layer attention}, worldlm only
+    fetched: dict[str, list[str]]  # region -> the regions whose residual it fetched
+
+
+def world_round(rule: RoundRule, regions: Mapping[str, Sequence[torch.Tensor]],
+                tokens: Mapping[str, float]) -> WorldRoundResult:
+    """The central reference of a world round among the leaders of ``regions``."""
+    names = sorted(regions)
+    averaged = weighted_mean([world_payload(rule, regions[r]) for r in names], [tokens[r] for r in names])
+    models, ks, weights_out, fetched_out = {}, {}, {}, {}
+    for r in names:
+        models[r], ks[r] = world_backbone(rule, averaged, regions[r])
+    if rule.strategy != "worldlm" or not rule.residual or len(names) < 2:
+        return WorldRoundResult(models=models, weights={}, fetched={})
+    res = {r: region_residual(rule, regions[r], ks[r]) for r in names}
+    emb = {r: embed(rule, res[r]) for r in names}
+    for r in names:
+        w, need = residual_fetch_list(rule, emb, r)
+        models[r] = residual_update(rule, models[r], res[r], {g: res[g] for g in need}, w)
+        weights_out[r] = {g: [round(float(x), 6) for x in a] for g, a in w.items()}
+        fetched_out[r] = need
+    return WorldRoundResult(models=models, weights=weights_out, fetched=fetched_out)

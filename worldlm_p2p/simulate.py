@@ -1,0 +1,282 @@
+"""Every strategy over a federated corpus in one process, for experiments (``worldlm-simulate``).
+
+One virtual peer per sub-corpus of ``<region>/<sub_corpus>/{train.txt,valid.txt}``. Each peer is
+the swarm's own local-training code (:class:`~worldlm_p2p.train.LocalTrainer`, same model init,
+same batch stream for the same ``(seed, region, label)``), and rounds are the swarm's own pure
+functions (:mod:`worldlm_p2p.rounds`) with the all-reduce replaced by
+:func:`~worldlm_p2p.aggregation.weighted_mean`. There is no second implementation of the math.
+
+Schedule: ``rounds`` region rounds of ``H`` local steps; for ``worldlm`` and ``hierfavg`` a world
+round among the regions' leaders after every ``world_every``-th region round, whose result every
+member adopts before it trains on. ``centralized`` trains one model on the pooled training data
+for the same number of tokens (``peers x rounds x H`` steps of the same batch size). Deterministic
+for a seed (given the same torch build and thread count).
+
+Evaluation: each peer's model (after the last aggregation) on the peer's own held-out text;
+region values are means over the region's peers, world values means over regions.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from worldlm_p2p.aggregation import allreduce_traffic, round_weight
+from worldlm_p2p.config import AggregationConfig, ModelConfig, TokenizerSpec, TrainConfig, _require
+from worldlm_p2p.errors import DataError
+from worldlm_p2p.rounds import RoundRule, region_round, world_round
+from worldlm_p2p.split import split_parameters
+from worldlm_p2p.train import (LocalTrainer, TokenData, bits_per_byte, build_model, get_flat_params, list_corpus,
+                               load_texts, load_tokenizer, peer_data_seed, resolve_device, set_params,
+                               tokenize_splits)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SimConfig:
+    """A simulated run: a corpus, the run's shared settings and the schedule."""
+
+    data: str
+    model: ModelConfig
+    tokenizer: TokenizerSpec = field(default_factory=TokenizerSpec)
+    train: TrainConfig = field(default_factory=TrainConfig)  # train.inner_steps is H, train.seed the seed
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    rounds: int = 10
+    eval_rounds: tuple[int, ...] = ()  # extra evaluation points (region-round counts); the last round always
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _require(self.rounds >= 1, "rounds", "must be >= 1")
+        _require(all(1 <= r <= self.rounds for r in self.eval_rounds), "eval_rounds",
+                 f"must lie in 1..{self.rounds}")
+        _require(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
+                 f"{self.train.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}")
+
+
+@dataclass
+class VirtualPeer:
+    region: str
+    label: str
+    data: TokenData
+    model: torch.nn.Module
+    trainer: LocalTrainer
+    step: int = 0
+    tokens: int = 0
+    tokens_since_round: int = 0
+    tokens_since_world: int = 0
+    bytes_sent_region: int = 0
+    bytes_sent_border: int = 0
+    last_train_loss: float = math.nan
+
+    @property
+    def key(self) -> str:
+        return f"{self.region}/{self.label}"
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * 4 for t in tensors)  # float32 on the wire
+
+
+class Simulator:
+    """Build with a :class:`SimConfig`, then :meth:`run`. ``on_progress(done_steps, total_steps)``
+    is called after every peer's local steps (for progress bars); ``should_stop()`` is polled
+    between steps and makes :meth:`run` raise ``KeyboardInterrupt``."""
+
+    def __init__(self, config: SimConfig, *, on_progress: Callable[[int, int], None] | None = None,
+                 should_stop: Callable[[], bool] = lambda: False) -> None:
+        self.config = config
+        self.on_progress = on_progress or (lambda done, total: None)
+        self.should_stop = should_stop
+        layout = list_corpus(config.data)
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.device = resolve_device(config.device)
+        t = config.train
+        base = build_model(config.model, vocab_size=self.tokenizer.vocab_size, seed=t.seed).to(self.device)
+        self.names = [n for n, _ in base.named_parameters()]
+        self.peers: list[VirtualPeer] = []
+        for region, subs in layout.items():
+            for sub in subs:
+                data = tokenize_splits(load_texts(sub), self.tokenizer)
+                if data.train.numel() < t.seq_len + 1:
+                    raise DataError(f"{sub}: {data.train.numel()} training tokens, fewer than one window of "
+                                    f"{t.seq_len + 1}")
+                model = copy.deepcopy(base)
+                trainer = LocalTrainer(model=model, train=t, data=data, device=self.device,
+                                       seed=peer_data_seed(t.seed, region, sub.name))
+                self.peers.append(VirtualPeer(region=region, label=sub.name, data=data, model=model, trainer=trainer))
+        self.regions = sorted({p.region for p in self.peers})
+        agg = config.aggregation
+        if agg.strategy in ("centralized", "local"):
+            split = split_parameters(self.names, agg.key_layers) if agg.strategy != "centralized" else None
+        else:
+            split = split_parameters(self.names, agg.key_layers)
+        self.rule = RoundRule.from_config(agg, split, seed=t.seed) if split is not None else None
+        self.central: LocalTrainer | None = None
+        if agg.strategy == "centralized":
+            pooled = TokenData(train=torch.cat([p.data.train for p in self.peers]), valid=self.peers[0].data.valid,
+                               train_bytes=sum(p.data.train_bytes for p in self.peers),
+                               valid_bytes=self.peers[0].data.valid_bytes)
+            self.central_model = copy.deepcopy(base)
+            self.central = LocalTrainer(model=self.central_model, train=t, data=pooled, device=self.device,
+                                        seed=peer_data_seed(t.seed, "world", "centralized"))
+        self.history: list[dict[str, Any]] = []
+        self.world_rounds: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ groups and leaders
+    def _groups(self) -> dict[str, list[VirtualPeer]]:
+        if self.rule.world_group:
+            return {"world": list(self.peers)}
+        return {r: [p for p in self.peers if p.region == r] for r in self.regions}
+
+    def _leader(self, region: str) -> VirtualPeer:
+        return min((p for p in self.peers if p.region == region), key=lambda p: p.label)
+
+    # ------------------------------------------------------------------ rounds
+    def _region_rounds(self, anchors: dict[str, list[torch.Tensor]], momenta: dict[str, Any]) -> None:
+        rule = self.rule
+        for name, members in self._groups().items():
+            params = [get_flat_params(p.model) for p in members]
+            weights = [round_weight(p.tokens_since_round) for p in members]
+            new, momenta[name] = region_round(rule, params, weights, anchor=anchors[name], momentum=momenta.get(name))
+            for p, tensors in zip(members, new):
+                set_params(p.model, tensors)
+                p.tokens_since_round = 0
+            anchors[name] = [t.clone() for t in new[0]]
+            if rule.strategy == "fedper":
+                # K is per peer: the group anchor only serves the backbone, keep it consistent
+                anchors[name] = rule.split.merge(rule.split.take_backbone(new[0]), rule.split.take_key(anchors[name]))
+            payload = _nbytes(rule.backbone(params[0])) + (
+                _nbytes(rule.split.take_key(params[0])) + 4 * len(rule.split.key) if rule.strategy == "worldlm" else 0)
+            n = len(members)
+            for p in members:
+                same = sum(1 for q in members if q.region == p.region)
+                per_other = 2 * (payload // n) if n > 1 else 0
+                p.bytes_sent_region += per_other * (same - 1)
+                p.bytes_sent_border += per_other * (n - same)
+
+    def _world_round(self, index: int, anchors: dict[str, list[torch.Tensor]]) -> None:
+        rule = self.rule
+        tokens = {r: float(max(1, sum(p.tokens_since_world for p in self.peers if p.region == r))) for r in self.regions}
+        result = world_round(rule, {r: anchors[r] for r in self.regions}, tokens)
+        model_bytes = _nbytes(anchors[self.regions[0]])
+        key_bytes = _nbytes(rule.split.take_key(anchors[self.regions[0]])) if rule.split.key else 0
+        for r in self.regions:
+            leader = self._leader(r)
+            members = [p for p in self.peers if p.region == r]
+            leader.bytes_sent_border += allreduce_traffic(model_bytes, len(self.regions))[0]
+            if rule.strategy == "worldlm" and rule.residual and len(self.regions) > 1:
+                leader.bytes_sent_border += len(rule.split.key) * rule.residual_dim * 4  # the published embedding
+                leader.bytes_sent_border += key_bytes * sum(r in need for need in result.fetched.values())
+            leader.bytes_sent_region += model_bytes * (len(members) - 1)  # members download the new model
+            anchors[r] = result.models[r]
+            for p in members:
+                set_params(p.model, anchors[r])
+                p.tokens_since_world = 0
+        self.world_rounds.append(dict(round=index, weights=result.weights, fetched=result.fetched))
+
+    # ------------------------------------------------------------------ evaluation
+    def _evaluate(self, round_index: int) -> dict[str, Any]:
+        peers: dict[str, dict[str, Any]] = {}
+        for p in self.peers:
+            if self.central is not None:
+                set_params(p.model, get_flat_params(self.central_model))
+            loss = p.trainer.evaluate()
+            peers[p.key] = dict(region=p.region, loss=loss, perplexity=math.exp(loss),
+                                bits_per_byte=bits_per_byte(loss, bytes_per_token=p.data.valid_bytes_per_token),
+                                tokens=p.tokens, bytes_sent_region=p.bytes_sent_region,
+                                bytes_sent_border=p.bytes_sent_border)
+        regions = {}
+        for r in self.regions:
+            vals = [v for v in peers.values() if v["region"] == r]
+            regions[r] = {k: sum(v[k] for v in vals) / len(vals) for k in ("loss", "perplexity", "bits_per_byte")}
+            regions[r]["peers"] = len(vals)
+        world = {k: sum(v[k] for v in regions.values()) / len(regions) for k in ("loss", "perplexity", "bits_per_byte")}
+        tokens = self._central_tokens if self.central is not None else sum(p.tokens for p in self.peers)
+        snap = dict(round=round_index, tokens=tokens, regions=regions, world=world, peers=peers)
+        logger.info("round %d: %d tokens, world perplexity %.3f (%s)", round_index, tokens, world["perplexity"],
+                    ", ".join(f"{r} {v['perplexity']:.3f}" for r, v in regions.items()))
+        return snap
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> dict[str, Any]:
+        cfg = self.config
+        H = cfg.train.inner_steps
+        t0 = time.monotonic()
+        evals = set(cfg.eval_rounds) | {cfg.rounds}
+        total = cfg.rounds * H * len(self.peers)
+        self._central_tokens = 0
+        if self.central is not None:
+            step = 0
+            for r in range(1, cfg.rounds + 1):
+                for _ in range(H * len(self.peers)):
+                    if self.should_stop():
+                        raise KeyboardInterrupt
+                    res = self.central.train_step(step)
+                    step += 1
+                    self._central_tokens += res.tokens
+                self.on_progress(r * H * len(self.peers), total)
+                if r in evals:
+                    self.history.append(self._evaluate(r))
+        else:
+            anchors: dict[str, list[torch.Tensor]] = {}
+            momenta: dict[str, Any] = {}
+            if self.rule.strategy != "local":
+                init = get_flat_params(self.peers[0].model)
+                for name in list(self._groups()) + self.regions:
+                    anchors[name] = [t.clone() for t in init]
+            for r in range(1, cfg.rounds + 1):
+                for i, p in enumerate(self.peers):
+                    if self.should_stop():
+                        raise KeyboardInterrupt
+                    for _ in range(H):
+                        res = p.trainer.train_step(p.step)
+                        p.step += 1
+                        p.tokens += res.tokens
+                        p.tokens_since_round += res.tokens
+                        p.tokens_since_world += res.tokens
+                        p.last_train_loss = res.loss
+                    self.on_progress((r - 1) * H * len(self.peers) + (i + 1) * H, total)
+                if self.rule.strategy != "local":
+                    self._region_rounds(anchors, momenta)
+                    if self.rule.has_world_rounds and r % cfg.aggregation.world_every == 0:
+                        self._world_round(r, anchors)
+                if r in evals:
+                    self.history.append(self._evaluate(r))
+        final = self.history[-1]
+        return dict(
+            strategy=cfg.aggregation.strategy,
+            config=dict(data=str(cfg.data), rounds=cfg.rounds, model=dataclasses.asdict(cfg.model),
+                        tokenizer=dataclasses.asdict(cfg.tokenizer), train=dataclasses.asdict(cfg.train),
+                        aggregation=dataclasses.asdict(cfg.aggregation), device=str(self.device)),
+            parameters=sum(t.numel() for t in get_flat_params(self.peers[0].model)),
+            key_layers=list(self.rule.split.key_names) if self.rule is not None and self.rule.split else [],
+            regions=final["regions"], world=final["world"], peers=final["peers"], tokens=final["tokens"],
+            history=self.history, world_rounds=self.world_rounds, wall_seconds=time.monotonic() - t0,
+        )
+
+
+def simulate(config: SimConfig, *, on_progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Build a :class:`Simulator` and run it; return the results dictionary."""
+    return Simulator(config, on_progress=on_progress).run()
+
+
+def write_results(results: dict[str, Any], path: str | Path) -> Path:
+    """Write ``results`` as JSON atomically."""
+    import json
+    import os
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(results, indent=2, allow_nan=True))
+    os.replace(tmp, path)
+    return path
