@@ -31,6 +31,9 @@ matchmaking_time = 1.5
 request_timeout = 0.5
 averaging_timeout = 15.0
 barrier_timeout = 30.0
+{averaging_extra}
+[aggregation]
+{aggregation}
 """
 
 
@@ -86,10 +89,15 @@ def wait_for(cond: Callable[[], object], timeout: float, what: str, poll: float 
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def fast_run(run_id: str = "t", inner_steps: int = 5, averaging: str = "", aggregation: str = "") -> str:
+    """The FAST_RUN manifest; ``averaging``/``aggregation``: extra TOML lines for those sections."""
+    return FAST_RUN.format(run_id=run_id, inner_steps=inner_steps, averaging_extra=averaging, aggregation=aggregation)
+
+
 def start_bootstrap(procs: Procs, tmp: Path, *, run_id: str = "t", inner_steps: int = 5,
-                    timeout: float = 60) -> tuple[subprocess.Popen, list[str]]:
+                    timeout: float = 60, averaging: str = "", aggregation: str = "") -> tuple[subprocess.Popen, list[str]]:
     run = tmp / "run.toml"
-    run.write_text(FAST_RUN.format(run_id=run_id, inner_steps=inner_steps))
+    run.write_text(fast_run(run_id, inner_steps, averaging, aggregation))
     p = procs.start(["worldlm_p2p.cli.bootstrap", "--run-config", str(run), "--host-maddrs", LOOPBACK])
     line = p.stdout.readline().decode()
     maddrs = [t for t in line.split() if "/p2p/" in t]
@@ -176,7 +184,7 @@ def round_rule(strategy: str = "worldlm", **aggregation):
     from worldlm_p2p.split import split_parameters
     from worldlm_p2p.train import build_model
 
-    data = tomllib.loads(FAST_RUN.format(run_id="x", inner_steps=5))
+    data = tomllib.loads(fast_run("x", 5))
     data["aggregation"] = dict(strategy=strategy, **aggregation)
     m = RunManifest.from_dict(data)
     names = [n for n, _ in build_model(m.model, vocab_size=259, seed=0).named_parameters()]

@@ -115,3 +115,29 @@ def decode_key_layers(averaged: Sequence[torch.Tensor], reference: Sequence[torc
         mean_k = averaged[l].to(torch.float64) / u[l]
         out.append((r64 + eps * (mean_k - r64)).to(ref.dtype))
     return out
+
+
+def personalize(own: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], aggregate: Sequence[torch.Tensor],
+                *, tau: float) -> list[torch.Tensor]:
+    """Receiver-specific attention of one member over {its own update, the region's update}.
+
+    Per layer, with ``d_own = K_own - K_ref`` and ``d_reg = K_agg - K_ref``:
+    ``a = softmax([1, cos(d_own, d_reg)] / tau)`` and ``K <- K_ref + a_own d_own + a_reg d_reg``.
+    A member whose update points where the region's does (similar data) takes a large share of the
+    region's update; one whose data differ (another language) keeps mostly its own. The region's
+    agreed ``K_agg`` stays the common reference of the next round and the region's exported model;
+    this personal mix never leaves the peer. ``tau -> inf`` gives the midpoint of the two.
+    Computed locally after the all-reduce: it costs no communication."""
+    if not tau > 0:
+        raise ValueError(f"tau must be > 0, got {tau}")
+    out = []
+    for l, (k, r, g) in enumerate(zip(own, reference, aggregate, strict=True)):
+        if k.shape != r.shape or g.shape != r.shape:
+            raise ValueError(f"layer {l}: shapes {tuple(k.shape)}, {tuple(r.shape)}, {tuple(g.shape)} differ")
+        r64 = r.detach().to(torch.float64)
+        d_own, d_reg = k.detach().to(torch.float64) - r64, g.detach().to(torch.float64) - r64
+        denom = float(torch.linalg.vector_norm(d_own) * torch.linalg.vector_norm(d_reg))
+        cos = float((d_own.flatten() @ d_reg.flatten())) / denom if denom > _TINY else 1.0
+        a = torch.softmax(torch.tensor([1.0, cos], dtype=torch.float64) / tau, dim=0)
+        out.append((r64 + a[0] * d_own + a[1] * d_reg).to(k.dtype))
+    return out

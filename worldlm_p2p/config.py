@@ -151,6 +151,8 @@ class AggregationConfig:
     - ``world_every``: a world round after every M-th region round (``worldlm`` and ``hierfavg``).
     - ``residual`` / ``residual_dim`` / ``residual_tau`` / ``residual_beta``: cross-region sharing of
       K by residual embeddings (:mod:`worldlm_p2p.residual`).
+    - ``personal_tau``: > 0 lets each member keep a personal mix of its own and the region's K
+      update (:func:`worldlm_p2p.attention.personalize`); 0 adopts the region's K.
     - ``outer`` / ``outer_lr`` / ``outer_momentum``: the outer optimizer applied to the backbone at
       region rounds (:mod:`worldlm_p2p.outer_optim`); ``sgd`` with lr 1 is FedAvg.
     """
@@ -165,6 +167,7 @@ class AggregationConfig:
     residual_dim: int = 256
     residual_tau: float = 0.1
     residual_beta: float = 0.5
+    personal_tau: float = 0.0
     outer: str = "sgd"
     outer_lr: float = 1.0  # 1.0 with sgd = plain FedAvg: adopt the averaged model
     outer_momentum: float = 0.9  # nesterov only
@@ -181,6 +184,7 @@ class AggregationConfig:
         _require(self.residual_dim >= 1, "aggregation.residual_dim", "must be >= 1")
         _require(self.residual_tau > 0, "aggregation.residual_tau", "must be > 0")
         _require(0 <= self.residual_beta <= 1, "aggregation.residual_beta", "must be in [0, 1]")
+        _require(self.personal_tau >= 0, "aggregation.personal_tau", "must be >= 0 (0: members adopt the region's K)")
         _require(self.outer in ("sgd", "nesterov"), "aggregation.outer", f"{self.outer!r} is not one of sgd, nesterov")
         _require(0 < self.outer_lr <= 2, "aggregation.outer_lr", "must be in (0, 2]")
         _require(0 <= self.outer_momentum < 1, "aggregation.outer_momentum", "must be in [0, 1)")
@@ -196,6 +200,7 @@ class AveragingConfig:
     request_timeout: float = 1.0
     min_group_size: int = 2
     target_group_size: int = 64
+    leader_ttl: float = 10.0  # a region leader's lease; a dead leader is replaced within about this long
 
     def __post_init__(self) -> None:
         _require(self.matchmaking_time > 0, "averaging.matchmaking_time", "must be > 0")
@@ -208,6 +213,7 @@ class AveragingConfig:
         _require(self.min_group_size >= 2, "averaging.min_group_size", "must be >= 2")
         _require(self.target_group_size >= self.min_group_size, "averaging.target_group_size",
                  "must be >= averaging.min_group_size")
+        _require(self.leader_ttl >= 1.0, "averaging.leader_ttl", "must be >= 1 second")
 
 
 # ----------------------------------------------------------------------------------- manifest

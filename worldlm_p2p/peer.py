@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hivemind.utils.timed_storage import get_dht_time
 
 from worldlm_p2p import aggregation, rounds
 from worldlm_p2p.checkpoint import load_latest_checkpoint, save_checkpoint
@@ -35,6 +36,7 @@ from worldlm_p2p.errors import CheckpointError, ConfigError, DataError, Manifest
 from worldlm_p2p.net import barrier, records
 from worldlm_p2p.net.averaging import RegionAverager
 from worldlm_p2p.net.dht import ensure_identity, start_dht
+from worldlm_p2p.net.leader import LeaderLease, elect
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.train import (LocalTrainer, build_model, get_flat_params, load_texts, load_tokenizer,
                                peer_data_seed, resolve_device, set_params, tokenize_splits)
@@ -94,6 +96,11 @@ class PeerStats:
     initial_step: int = 0
     initial_tokens: int = 0
     started_from: str = "init"
+    world_rounds_led: int = 0  # world rounds this peer ran as its region's leader
+    world_rounds_adopted: int = 0  # world results this peer adopted
+    world_round: int = -1  # the last world round adopted
+    rounds_since_world: int = 0
+    bytes_sent_border: int = 0
 
 
 class Peer:
@@ -114,6 +121,13 @@ class Peer:
         self._started = time.monotonic()
         self._train_started: float | None = None
         self._was_alone = False
+        self._lease: LeaderLease | None = None
+        self._world = None  # a WorldExchange, created when this peer first leads a world round
+        self._world_thread: threading.Thread | None = None
+        self._world_lock = threading.Lock()
+        # the last world change known: (world round, delta of the region model, region round to apply it at)
+        self._world_delta: tuple[int, list[torch.Tensor], int] | None = None
+        self._region_tokens_since_world = 0.0
 
     # ------------------------------------------------------------------ control
     def stop(self) -> None:
@@ -180,6 +194,11 @@ class Peer:
         if not resumed:
             self._maybe_join_region()
         self._share_state()
+        if self.rule.has_world_rounds:
+            self._lease = LeaderLease(dht=self._dht, validators=self._validators, run_id=m.run_id, region=cfg.region,
+                                      peer_id=self.peer_id, fingerprint=m.fingerprint(), ttl=m.averaging.leader_ttl,
+                                      lock=self._dht_lock, world_round=self.stats.world_round)
+            self._lease.start()
         self._publish_progress()
         self._publisher = threading.Thread(target=self._publish_loop, name="progress", daemon=True)
         self._publisher.start()
@@ -201,11 +220,18 @@ class Peer:
                         if agg.strategy == "fedper" else "")
 
     def _share_state(self, round_index: int | None = None) -> None:
-        """Serve the region's last agreed model (and the outer momentum) to late joiners."""
-        tensors = list(self._anchor) + (list(self._momentum) if self._momentum is not None else [])
+        """Serve the region's last agreed model (and the outer momentum) to late joiners, and the
+        last world change (a leader's members download it from the leader)."""
+        with self._world_lock:
+            delta = self._world_delta
+        momentum = list(self._momentum) if self._momentum is not None else []
+        tensors = list(self._anchor) + momentum + (list(delta[1]) if delta else [])
         self._averager.set_shared_state(round_index=self.stats.round if round_index is None else round_index,
-                                        tensors=tensors,
-                                        n_momentum=len(self._momentum or []))
+                                        tensors=tensors, n_momentum=len(momentum),
+                                        n_delta=len(delta[1]) if delta else 0,
+                                        delta_world_round=delta[0] if delta else -1,
+                                        delta_apply_round=delta[2] if delta else -1,
+                                        world_round=self.stats.world_round)
 
     def _maybe_resume(self) -> bool:
         cfg, m = self.config, self.manifest
@@ -229,7 +255,8 @@ class Peer:
             raise CheckpointError(f"checkpoint {loaded.path} does not fit this model: {type(e).__name__}") from None
         s = self.stats
         for k in ("step", "tokens", "round", "rounds_completed", "rounds_failed", "bytes_sent", "bytes_received",
-                  "tokens_since_round", "first_train_loss", "last_train_loss"):
+                  "tokens_since_round", "first_train_loss", "last_train_loss", "world_round", "world_rounds_led",
+                  "world_rounds_adopted", "rounds_since_world", "bytes_sent_border"):
             if k in p["stats"]:
                 setattr(s, k, p["stats"][k])
         s.group_sizes = list(p["stats"].get("group_sizes", []))
@@ -261,8 +288,12 @@ class Peer:
                            "initialisation", self.config.join_state_timeout)
             return
         meta, tensors = loaded
-        n_mom = meta.get("n_momentum", 0)
-        n_anchor = len(tensors) - n_mom if isinstance(n_mom, int) else -1
+        n_mom, n_delta = meta.get("n_momentum", 0), meta.get("n_delta", 0)
+        if not isinstance(n_delta, int) or n_delta not in (0, len(self._anchor)):
+            n_delta = -1
+        n_anchor = len(tensors) - n_mom - n_delta if isinstance(n_mom, int) and n_delta >= 0 else -1
+        if n_delta > 0:
+            tensors = tensors[:len(tensors) - n_delta]
         if meta.get("fingerprint") != self.manifest.fingerprint() or n_anchor != len(self._anchor) or n_mom not in (
                 0, len(self.rule.backbone(self._anchor))) or any(
                 a.shape != b.shape for a, b in zip(tensors, self._anchor)):
@@ -276,6 +307,8 @@ class Peer:
                                                  self.rule.split.take_key(get_flat_params(self.model)))
         set_params(self.model, self._anchor)
         self.stats.round = int(meta.get("round", 0))
+        if isinstance(meta.get("world_round"), int):
+            self.stats.world_round = meta["world_round"]
         self.stats.started_from = "region"
         self._trace("join", dict(meta=meta, tensors=self._anchor))
         logger.info("loaded the region model of round %d from a peer", self.stats.round)
@@ -291,7 +324,8 @@ class Peer:
             train_loss=loss, tokens_per_s=tps, rounds_completed=s.rounds_completed,
             last_group_size=s.group_sizes[-1] if s.group_sizes else 0, bytes_sent=s.bytes_sent,
             bytes_received=s.bytes_received, round=s.round, waiting_for_round=s.waiting_for_round,
-            fingerprint=self.manifest.fingerprint(), time=time.time(), finished=self._stop.is_set())
+            fingerprint=self.manifest.fingerprint(), time=time.time(), finished=self._stop.is_set(),
+            world_round=s.world_round, leader=bool(self._lease is not None and self._lease.is_leader()))
 
     def _publish_progress(self) -> None:
         try:
@@ -327,6 +361,7 @@ class Peer:
             s.round += 1
             return
         self._was_alone = False
+        self._maybe_adopt_world()
         pre = [p.detach().to("cpu", copy=True) for p in get_flat_params(self.model)]
         anchor = self._anchor
         weight = aggregation.round_weight(s.tokens_since_round)
@@ -336,7 +371,7 @@ class Peer:
         except Exception as e:  # an older or changed hivemind: fall back to the full matchmaking window
             logger.debug("could not set the target group size: %s", e)
         result = self._averager.run_round(payload, weight=weight, gather=dict(
-            label=self.label, weight=weight, tokens=s.tokens_since_round, round=s.round))
+            label=self.label, weight=weight, tokens=s.tokens_since_round, round=s.round, world=s.world_round))
         if result.ok and not all(bool(torch.isfinite(t).all()) for t in result.averaged):
             result = dataclasses.replace(result, ok=False, averaged=None,
                                          error="the group's average is not finite (a peer sent NaN/inf)")
@@ -350,7 +385,7 @@ class Peer:
         if result.ok:
             self._momentum = momentum
             set_params(self.model, new)
-            self._anchor = [t.detach().to("cpu", copy=True) for t in new]
+            self._anchor = rounds.region_anchor(self.rule, result.averaged, new_params=new, anchor=anchor)
             s.rounds_completed += 1
             s.group_sizes.append(result.group_size)
             s.round_seconds.append(result.seconds)
@@ -361,6 +396,11 @@ class Peer:
             if s.seconds_to_first_round is None:
                 s.seconds_to_first_round = time.monotonic() - self._started
             self._share_state(round_index=s.round + 1)
+            worlds = {g.get("world") for g in result.gathered.values() if isinstance(g, dict)}
+            if len(worlds) > 1:
+                logger.warning("round %d: members had adopted different world rounds (%s); the group's average "
+                               "mixes them", s.round, sorted(w for w in worlds if isinstance(w, int)))
+            self._after_region_round(result)
             logger.info("round %d: averaged with %d peers in %.2fs (weight %.0f)", s.round, result.group_size,
                         result.seconds, weight)
         else:
@@ -373,6 +413,122 @@ class Peer:
         s.round += 1
         s.waiting_for_round = -1
         self._publish_progress()
+
+    # ------------------------------------------------------------------ world rounds
+    def _live_leaders(self) -> int:
+        leases = self._lease.leases()
+        now = get_dht_time()
+        fp = self.manifest.fingerprint()
+        return sum(1 for region in {r.region for r in leases}
+                   if elect(leases, region=region, now=now, fingerprint=fp) is not None)
+
+    def _after_region_round(self, result) -> None:
+        """Count the region's tokens towards the next world round; a leader starts one every
+        ``world_every`` region rounds, in the background (training and region rounds go on)."""
+        if self._lease is None:
+            return
+        s, m = self.stats, self.manifest
+        s.rounds_since_world += 1
+        self._region_tokens_since_world += sum(float(g.get("tokens", 0)) for g in result.gathered.values()
+                                               if isinstance(g, dict))
+        if s.rounds_since_world < m.aggregation.world_every or not self._lease.is_leader():
+            return
+        if self._live_leaders() < 2:
+            logger.debug("no other region has a leader: no world round")
+            return
+        if self._world_thread is not None and self._world_thread.is_alive():
+            logger.info("world round still in progress; the next one waits")
+            return
+        with self._world_lock:
+            last = max(s.world_round, self._world_delta[0] if self._world_delta else -1)
+        snapshot = [t.clone() for t in self._anchor]
+        if self._world is None:  # hivemind averagers must be created from the main thread
+            from worldlm_p2p.net.world import WorldExchange
+
+            m, cfg = self.manifest, self.config
+            self._world = WorldExchange(dht=self._dht, validators=self._validators, dht_lock=self._dht_lock,
+                                        run_id=m.run_id, region=cfg.region, peer_id=self.peer_id,
+                                        fingerprint=m.fingerprint(), rule=self.rule, averaging=m.averaging,
+                                        template=snapshot)
+        tokens = self._region_tokens_since_world
+        s.rounds_since_world, self._region_tokens_since_world = 0, 0.0
+        self._world_thread = threading.Thread(target=self._world_round, args=(last + 1, snapshot, tokens),
+                                              name="world-round", daemon=True)
+        self._world_thread.start()
+
+    def _world_round(self, w: int, snapshot: list[torch.Tensor], tokens: float) -> None:
+        try:
+            out = self._world.run(world_round=w, region_model=snapshot, tokens=tokens,
+                                  expected_leaders=self._live_leaders(), should_stop=self._stop.is_set)
+        except Exception as e:  # never kill the peer for a world round
+            logger.warning("world round %d failed: %s: %s", w, type(e).__name__, e)
+            return
+        if not out.ok:
+            logger.warning("world round %d failed (%s); the region keeps its model", w, out.error)
+            return
+        delta = [n.to(torch.float32) - a for n, a in zip(out.model, snapshot)]
+        # the region applies it at the same region round: the next but one, so that every member has
+        # a whole round to see the leader's record and download the change (the barrier keeps the
+        # members' round indices in step)
+        with self._world_lock:
+            self._world_delta = (out.world_round, delta, self.stats.round + 1)
+        self.stats.world_rounds_led += 1
+        self.stats.bytes_sent_border += out.bytes_sent
+        self._share_state()
+        self._lease.world_round = out.world_round
+        self._lease.renew()  # tell the region now, not at the next renewal
+        self._trace(f"world-{out.world_round:05d}-leader", dict(snapshot=snapshot, model=out.model,
+                                                                regions=list(out.regions), fetched=list(out.fetched),
+                                                                weights=out.weights, tokens=tokens))
+        logger.info("world round %d: with the leaders of %s in %.2fs; the region adopts it at its next round",
+                    out.world_round, ", ".join(out.regions), out.seconds)
+
+    def _maybe_adopt_world(self) -> None:
+        """Before a region round: fetch the leader's latest world result as soon as it is announced,
+        and adopt it at the region round the leader set, the same one for every member (rebase: the
+        change the world round made to the region's model is added to this peer's model and anchor,
+        so the local progress made meanwhile is kept)."""
+        if self._lease is None:
+            return
+        s = self.stats
+        leader = self._lease.leader()
+        with self._world_lock:
+            known = self._world_delta
+        if (leader is not None and leader.peer_id != self.peer_id and leader.world_round > s.world_round
+                and (known is None or known[0] < leader.world_round)):
+            known = self._download_world_change(leader) or known
+        if known is None or known[0] <= s.world_round or s.round < known[2]:
+            return
+        w, delta, _ = known
+        params = get_flat_params(self.model)
+        set_params(self.model, [p + d for p, d in zip(params, delta)])
+        self._anchor = [a + d for a, d in zip(self._anchor, delta)]
+        s.world_round, s.world_rounds_adopted = w, s.world_rounds_adopted + 1
+        self._lease.world_round = max(self._lease.world_round, w)
+        self._share_state()
+        self._trace(f"world-{w:05d}", dict(delta=delta, world_round=w, anchor=self._anchor, round=s.round,
+                                           leader=leader.peer_id if leader else self.peer_id))
+        logger.info("adopted world round %d at region round %d", w, s.round)
+
+    def _download_world_change(self, leader) -> tuple[int, list[torch.Tensor], int] | None:
+        loaded = self._averager.download_state_from(leader.peer_id, timeout=self.manifest.averaging.averaging_timeout)
+        if loaded is None:
+            logger.warning("could not download world round %d from the leader; retrying at the next round",
+                           leader.world_round)
+            return None
+        meta, tensors = loaded
+        n = meta.get("n_delta", 0) if isinstance(meta, dict) else 0
+        if not (isinstance(n, int) and n == len(self._anchor) and meta.get("delta_world_round") == leader.world_round
+                and isinstance(meta.get("delta_apply_round"), int)
+                and meta.get("fingerprint") == self.manifest.fingerprint()
+                and all(a.shape == b.shape for a, b in zip(tensors[-n:], self._anchor))
+                and all(bool(torch.isfinite(t).all()) for t in tensors[-n:])):
+            logger.warning("rejected the world change served by the leader (stale or malformed)")
+            return None
+        known = (leader.world_round, [t.to(torch.float32) for t in tensors[-n:]], meta["delta_apply_round"])
+        with self._world_lock:
+            self._world_delta = known
+        return known
 
     def _trace(self, name: str, payload: dict[str, Any]) -> None:
         if not self.config.trace_dir:
@@ -395,6 +551,9 @@ class Peer:
             stats=dict(step=s.step, tokens=s.tokens, round=s.round, rounds_completed=s.rounds_completed,
                        rounds_failed=s.rounds_failed, bytes_sent=s.bytes_sent, bytes_received=s.bytes_received,
                        tokens_since_round=s.tokens_since_round, first_train_loss=s.first_train_loss,
+                       world_round=s.world_round, world_rounds_led=s.world_rounds_led,
+                       world_rounds_adopted=s.world_rounds_adopted, rounds_since_world=s.rounds_since_world,
+                       bytes_sent_border=s.bytes_sent_border,
                        last_train_loss=s.last_train_loss, group_sizes=list(s.group_sizes)),
         )
         path = save_checkpoint(self.config.checkpoint_dir, step=s.step, payload=payload,
@@ -445,7 +604,8 @@ class Peer:
             first_train_loss=s.first_train_loss,
             last_train_loss=s.last_train_loss if math.isfinite(s.last_train_loss) else None,
             tokens_per_s=self._record().tokens_per_s if self.manifest else 0.0,
-            bytes_sent=s.bytes_sent, bytes_received=s.bytes_received,
+            bytes_sent=s.bytes_sent, bytes_received=s.bytes_received, bytes_sent_border=s.bytes_sent_border,
+            world_round=s.world_round, world_rounds_led=s.world_rounds_led, world_rounds_adopted=s.world_rounds_adopted,
         )
         if final_eval and self.manifest is not None:
             out["valid_loss"] = self.trainer.evaluate()
@@ -459,6 +619,17 @@ class Peer:
     def shutdown(self) -> None:
         """Stop background processes (averager, DHT and its p2p daemon). Safe to call twice."""
         self._stop.set()
+        if self._lease is not None:
+            try:
+                self._lease.stop(withdraw=True, timeout=5)
+            except Exception as e:
+                logger.debug("lease stop: %s", e)
+            self._lease = None
+        if self._world_thread is not None:
+            self._world_thread.join(timeout=10)
+        if self._world is not None:
+            self._world.shutdown()
+            self._world = None
         if self._publisher is not None:
             self._publisher.join(timeout=5)
         if self._averager is not None:

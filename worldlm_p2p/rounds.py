@@ -56,6 +56,7 @@ class RoundRule:
     residual_dim: int = 256
     residual_tau: float = 0.1
     residual_beta: float = 0.5
+    personal_tau: float = 0.0  # > 0: each member keeps a personal mix of K (attention.personalize)
     seed: int = 0
 
     @classmethod
@@ -63,7 +64,7 @@ class RoundRule:
         return cls(strategy=agg.strategy, split=split, attention=agg.attention, tau=agg.tau, eps=agg.eps,
                    outer=agg.outer, outer_lr=agg.outer_lr, outer_momentum=agg.outer_momentum,
                    residual=agg.residual, residual_dim=agg.residual_dim, residual_tau=agg.residual_tau,
-                   residual_beta=agg.residual_beta, seed=seed)
+                   residual_beta=agg.residual_beta, personal_tau=agg.personal_tau, seed=seed)
 
     @property
     def localises(self) -> bool:
@@ -101,7 +102,8 @@ def region_apply(rule: RoundRule, averaged: Sequence[torch.Tensor], *, params: S
                  anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """The member's next model (the new region anchor, except for ``fedper``'s own K) and the
-    outer optimizer's momentum, from the averaged payload."""
+    outer optimizer's momentum, from the averaged payload. With ``personal_tau > 0`` (worldlm)
+    the member's K is its personal mix; :func:`region_anchor` gives the region's agreed model."""
     n_b = len(rule.backbone(anchor))
     if len(averaged) < n_b:
         raise ValueError(f"averaged payload has {len(averaged)} tensors, fewer than the {n_b} of the backbone")
@@ -114,7 +116,22 @@ def region_apply(rule: RoundRule, averaged: Sequence[torch.Tensor], *, params: S
         new_k = [p.detach().clone() for p in rule.split.take_key(params)]
     else:
         new_k = attention.decode_key_layers(averaged[n_b:], rule.split.take_key(anchor), eps=rule.eps)
+        if rule.personal_tau > 0:
+            new_k = attention.personalize(rule.split.take_key(params), rule.split.take_key(anchor), new_k,
+                                          tau=rule.personal_tau)
     return rule.split.merge(new_b, new_k), new_m
+
+
+def region_anchor(rule: RoundRule, averaged: Sequence[torch.Tensor], *, new_params: Sequence[torch.Tensor],
+                  anchor: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The region's agreed model after a round (the next round's common reference, what late
+    joiners download and what the region exports): ``new_params`` except that, with personal K,
+    K is the region's aggregate rather than the member's personal mix."""
+    if rule.strategy != "worldlm" or rule.personal_tau <= 0:
+        return [t.clone() for t in new_params]
+    n_b = len(rule.split.backbone)
+    new_k = attention.decode_key_layers(averaged[n_b:], rule.split.take_key(anchor), eps=rule.eps)
+    return rule.split.merge(rule.split.take_backbone(new_params), new_k)
 
 
 def region_round(rule: RoundRule, members: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], *,
@@ -123,13 +140,21 @@ def region_round(rule: RoundRule, members: Sequence[Sequence[torch.Tensor]], wei
     """The central reference of a whole region round: every member's next model, and the momentum.
 
     This is exactly what the swarm computes, with the all-reduce replaced by :func:`weighted_mean`."""
+    out, new_m, _ = region_round_with_anchor(rule, members, weights, anchor=anchor, momentum=momentum)
+    return out, new_m
+
+
+def region_round_with_anchor(rule: RoundRule, members: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], *,
+                             anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None
+                             ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor] | None, list[torch.Tensor]]:
+    """:func:`region_round` plus the region's new agreed model (:func:`region_anchor`)."""
     payloads = [region_payload(rule, p, anchor) for p in members]
     averaged = weighted_mean(payloads, weights)
     out, new_m = [], momentum
     for p in members:
         new, new_m = region_apply(rule, averaged, params=p, anchor=anchor, momentum=momentum)
         out.append(new)
-    return out, new_m
+    return out, new_m, region_anchor(rule, averaged, new_params=out[0], anchor=anchor)
 
 
 # ------------------------------------------------------------------------------ world rounds

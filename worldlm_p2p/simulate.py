@@ -32,7 +32,7 @@ import torch
 from worldlm_p2p.aggregation import allreduce_traffic, round_weight
 from worldlm_p2p.config import AggregationConfig, ModelConfig, TokenizerSpec, TrainConfig, _require
 from worldlm_p2p.errors import DataError
-from worldlm_p2p.rounds import RoundRule, region_round, world_round
+from worldlm_p2p.rounds import RoundRule, region_round_with_anchor, world_round
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.train import (LocalTrainer, TokenData, bits_per_byte, build_model, get_flat_params, list_corpus,
                                load_texts, load_tokenizer, peer_data_seed, resolve_device, set_params,
@@ -146,11 +146,11 @@ class Simulator:
         for name, members in self._groups().items():
             params = [get_flat_params(p.model) for p in members]
             weights = [round_weight(p.tokens_since_round) for p in members]
-            new, momenta[name] = region_round(rule, params, weights, anchor=anchors[name], momentum=momenta.get(name))
+            new, momenta[name], anchors[name] = region_round_with_anchor(rule, params, weights, anchor=anchors[name],
+                                                                         momentum=momenta.get(name))
             for p, tensors in zip(members, new):
                 set_params(p.model, tensors)
                 p.tokens_since_round = 0
-            anchors[name] = [t.clone() for t in new[0]]
             if rule.strategy == "fedper":
                 # K is per peer: the group anchor only serves the backbone, keep it consistent
                 anchors[name] = rule.split.merge(rule.split.take_backbone(new[0]), rule.split.take_key(anchors[name]))
@@ -177,9 +177,12 @@ class Simulator:
                 leader.bytes_sent_border += len(rule.split.key) * rule.residual_dim * 4  # the published embedding
                 leader.bytes_sent_border += key_bytes * sum(r in need for need in result.fetched.values())
             leader.bytes_sent_region += model_bytes * (len(members) - 1)  # members download the new model
+            # members rebase onto the world result: they add its change of the region model to their
+            # own (with personal key layers a member's model is not the region's anchor)
+            delta = [n - a for n, a in zip(result.models[r], anchors[r])]
             anchors[r] = result.models[r]
             for p in members:
-                set_params(p.model, anchors[r])
+                set_params(p.model, [t + d for t, d in zip(get_flat_params(p.model), delta)])
                 p.tokens_since_world = 0
         self.world_rounds.append(dict(round=index, weights=result.weights, fetched=result.fetched))
 

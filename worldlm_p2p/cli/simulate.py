@@ -45,6 +45,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--no-residual", action="store_true", help="no residual-embedding exchange in world rounds")
     p.add_argument("--residual-beta", type=float, help="step towards similar regions' key layers (default 0.5)")
     p.add_argument("--residual-tau", type=float, help="temperature of the cross-region attention (default 0.1)")
+    p.add_argument("--personal-tau", type=float, help="> 0: members keep a personal mix of K (default 0: off)")
     p.add_argument("--outer", help="outer optimizer: sgd or nesterov (default sgd)")
     p.add_argument("--outer-lr", type=float, help="outer learning rate (default 1.0)")
     p.add_argument("--outer-momentum", type=float, help="Nesterov momentum (default 0.9)")
@@ -64,6 +65,7 @@ def _overrides(args) -> dict[str, dict]:
                                ("tau", "aggregation", "tau"), ("eps", "aggregation", "eps"),
                                ("residual_beta", "aggregation", "residual_beta"),
                                ("residual_tau", "aggregation", "residual_tau"), ("outer", "aggregation", "outer"),
+                               ("personal_tau", "aggregation", "personal_tau"),
                                ("outer_lr", "aggregation", "outer_lr"),
                                ("outer_momentum", "aggregation", "outer_momentum")):
         value = getattr(args, flag)

@@ -129,6 +129,52 @@ class RegionAverager(DecentralizedAverager):
         return RoundResult(ok=True, group_size=len(gathered), gathered=gathered, averaged=averaged,
                            seconds=time.monotonic() - t0)
 
+    def download_state_from(self, peer_id: str, *, timeout: float) -> tuple[Any, list[torch.Tensor]] | None:
+        """Download the state that one chosen peer of this averager's prefix serves (hivemind's
+        ``rpc_download_state``, asked of ``peer_id`` rather than of the highest-priority peer).
+        ``None`` if it does not answer within ``timeout`` or serves nothing."""
+        from hivemind.utils.mpfuture import MPFuture
+
+        future = MPFuture()
+        self._outer_pipe.send(("_download_state_from", [str(peer_id)], dict(timeout=float(timeout), future=future)))
+        try:
+            return future.result(timeout=timeout + 5.0)
+        except Exception as e:
+            logger.debug("state download from %s failed: %s", peer_id, e)
+            return None
+
+    async def _download_state_from(self, peer_id: str, timeout: float, future) -> None:  # in the averager process
+        import asyncio
+
+        from hivemind.compression import deserialize_torch_tensor
+        from hivemind.p2p import PeerID
+        from hivemind.proto import averaging_pb2
+        from hivemind.utils.streaming import combine_from_streaming
+
+        async def fetch():
+            stub = self.get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
+            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            metadata, tensors, parts = None, [], []
+            async for message in stream:
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                if message.tensor_part.dtype and parts:  # a new tensor starts
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
+            if parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            return metadata, tensors
+
+        try:
+            metadata, tensors = await asyncio.wait_for(fetch(), timeout=timeout)
+            if not future.done():
+                future.set_result((metadata, tensors) if metadata is not None else None)
+        except Exception as e:
+            logger.debug("state download from %s failed: %s", peer_id, e)
+            if not future.done():
+                future.set_result(None)
+
     def download_region_state(self, *, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
         """Load the region's last agreed model from a live peer; ``None`` if none answered in time."""
         deadline = time.monotonic() + timeout

@@ -1,11 +1,13 @@
 """Signed, schema-validated DHT records: run manifests, peer progress and leader candidacies.
 
-Three DHT keys are used per run (hivemind serialises values with msgpack):
+Four DHT keys are used per run (hivemind serialises values with msgpack):
 
 - ``worldlm_runs``: one subkey per publisher (a bootstrap node), value = :class:`ManifestRecord`.
 - ``<run_id>_progress``: one subkey per peer, value = :class:`ProgressRecord`.
 - ``<run_id>_leaders``: one subkey per peer, value = :class:`LeaseRecord` (a candidacy for its
   region's leader lease; the election itself is in :mod:`worldlm_p2p.net.leader`).
+- ``<run_id>_residuals``: one subkey per region leader, value = :class:`ResidualRecord` (its
+  region's residual embedding for a world round, :mod:`worldlm_p2p.net.world`).
 
 Every subkey carries its owner's public key (``[owner:<rsa key>]``) and every value is signed by
 hivemind's ``RSASignatureValidator``, so no peer can write into another's subkey; the pydantic
@@ -36,6 +38,7 @@ RUNS_PREFIX = "worldlm"
 RUNS_KEY = f"{RUNS_PREFIX}_runs"
 
 _MAX_STR = 256
+MAX_EMBEDDING_BYTES = 1 << 20  # 1 MiB: 4096 layers x 64 numbers, far above any preset
 _Str = pydantic.constr(strict=True, max_length=_MAX_STR)
 _Count = pydantic.conint(strict=True, ge=0)
 _Float = pydantic.confloat(strict=True, allow_inf_nan=False)
@@ -60,6 +63,8 @@ class _ProgressModel(pydantic.BaseModel):
     fingerprint: _Str
     time: _NonNegFloat
     finished: pydantic.StrictBool
+    world_round: pydantic.conint(strict=True, ge=-1) = -1
+    leader: pydantic.StrictBool = False
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -88,6 +93,20 @@ class _ManifestModel(pydantic.BaseModel):
         extra = pydantic.Extra.forbid
 
 
+class _ResidualModel(pydantic.BaseModel):
+    region: _Str
+    peer_id: _Str
+    world_round: _Count
+    fingerprint: _Str
+    layers: pydantic.conint(strict=True, ge=1, le=4096)
+    dim: pydantic.conint(strict=True, ge=1, le=4096)
+    embedding: pydantic.conbytes(strict=True, max_length=MAX_EMBEDDING_BYTES)  # float32, little endian
+    time: _NonNegFloat
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
 class _RunsSchema(pydantic.BaseModel):
     runs: dict[BytesWithPublicKey, _ManifestModel]
 
@@ -98,6 +117,10 @@ class _ProgressSchema(pydantic.BaseModel):
 
 class _LeadersSchema(pydantic.BaseModel):
     leaders: dict[BytesWithPublicKey, _LeaseModel]
+
+
+class _ResidualsSchema(pydantic.BaseModel):
+    residuals: dict[BytesWithPublicKey, _ResidualModel]
 
 
 def make_validators(run_id: str | None, private_key) -> list:
@@ -111,6 +134,7 @@ def make_validators(run_id: str | None, private_key) -> list:
     if run_id is not None:
         validators.append(SchemaValidator(_ProgressSchema, prefix=run_id))
         validators.append(SchemaValidator(_LeadersSchema, prefix=run_id))
+        validators.append(SchemaValidator(_ResidualsSchema, prefix=run_id))
     return validators
 
 
@@ -127,6 +151,10 @@ def progress_key(run_id: str) -> str:
 
 def leaders_key(run_id: str) -> str:
     return f"{run_id}_leaders"
+
+
+def residuals_key(run_id: str) -> str:
+    return f"{run_id}_residuals"
 
 
 # ----------------------------------------------------------------------------------- records
@@ -152,9 +180,13 @@ class ProgressRecord:
     fingerprint: str  # run manifest fingerprint
     time: float
     finished: bool = False
+    world_round: int = -1  # the last world round whose result this peer adopted (-1: none)
+    leader: bool = False  # whether this peer holds its region's leader lease
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["world_round"] = max(-1, int(d["world_round"]))
+        d["leader"] = bool(d["leader"])
         for k in ("train_loss", "tokens_per_s", "time"):
             v = float(d[k])
             d[k] = v if math.isfinite(v) and v >= 0 else 0.0
@@ -216,6 +248,58 @@ class LeaseRecord:
         d = parsed.dict()
         d["maddrs"] = tuple(d["maddrs"])
         return cls(**d)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResidualRecord:
+    """A region leader's residual embedding for one world round: ``layers x dim`` float32 numbers
+    (:func:`worldlm_p2p.rounds.embed`), published so that other leaders can score it before they
+    fetch the full residual from ``peer_id`` over P2P."""
+
+    region: str
+    peer_id: str
+    world_round: int
+    fingerprint: str
+    layers: int
+    dim: int
+    embedding: bytes
+    time: float
+
+    @classmethod
+    def from_tensor(cls, embedding, **fields) -> "ResidualRecord":
+        import numpy as np
+
+        arr = np.ascontiguousarray(embedding.detach().cpu().numpy(), dtype="<f4")
+        layers, dim = arr.shape
+        return cls(layers=int(layers), dim=int(dim), embedding=arr.tobytes(), **fields)
+
+    def tensor(self):
+        import numpy as np
+        import torch
+
+        return torch.from_numpy(np.frombuffer(self.embedding, dtype="<f4").copy().reshape(self.layers, self.dim))
+
+    def to_wire(self) -> dict[str, Any]:
+        return dict(region=self.region, peer_id=self.peer_id, world_round=int(self.world_round),
+                    fingerprint=self.fingerprint, layers=int(self.layers), dim=int(self.dim),
+                    embedding=bytes(self.embedding), time=float(self.time))
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "ResidualRecord":
+        """Parse and validate (shape and finiteness too); raises ``ValueError`` on anything malformed."""
+        import numpy as np
+
+        if not isinstance(value, Mapping):
+            raise ValueError(f"residual record must be a map, got {type(value).__name__}")
+        try:
+            parsed = _ResidualModel.parse_obj(dict(value))
+        except pydantic.ValidationError as e:
+            raise ValueError(" ".join(str(e).split())) from None
+        if len(parsed.embedding) != 4 * parsed.layers * parsed.dim:
+            raise ValueError(f"embedding has {len(parsed.embedding)} bytes, expected 4 x {parsed.layers} x {parsed.dim}")
+        if not np.isfinite(np.frombuffer(parsed.embedding, dtype="<f4")).all():
+            raise ValueError("embedding has non-finite values")
+        return cls(**parsed.dict())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -319,3 +403,19 @@ def fetch_leases(dht, run_id: str) -> list[LeaseRecord]:
 def _short(subkey) -> str:
     text = subkey.decode(errors="replace") if isinstance(subkey, bytes) else str(subkey)
     return text[-16:]
+
+
+def publish_residual(dht, validators, run_id: str, record: ResidualRecord, *, ttl: float) -> bool:
+    return bool(dht.store(residuals_key(run_id), record.to_wire(), expiration_time=get_dht_time() + ttl,
+                          subkey=owner_subkey(validators), return_future=False))
+
+
+def fetch_residuals(dht, run_id: str) -> list[ResidualRecord]:
+    """Live residual-embedding records of a run (malformed ones are logged and skipped)."""
+    out = []
+    for subkey, item in _entries(dht.get(residuals_key(run_id), latest=True)).items():
+        try:
+            out.append(ResidualRecord.from_wire(item.value))
+        except ValueError as e:
+            logger.warning("rejected a residual record from %s: %s", _short(subkey), e)
+    return out

@@ -1,0 +1,351 @@
+"""``worldlm-simulate`` on a tiny federated corpus (2 regions x 2 sub-corpora, a few hundred lines each).
+
+The results file's promises (fields, perplexity = exp(loss), region = mean of its peers), determinism,
+every strategy, the byte accounting, and rounds equal to a from-scratch rebuild with the swarm's own
+pieces (LocalTrainer with the peer's batch-stream seed, then :mod:`worldlm_p2p.rounds`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm_utils import DEMO, env, max_abs_diff
+from worldlm_p2p.aggregation import allreduce_traffic, round_weight
+from worldlm_p2p.config import AggregationConfig, TrainConfig, model_preset
+from worldlm_p2p.rounds import RoundRule, region_round, world_round
+from worldlm_p2p.simulate import SimConfig, Simulator, simulate
+from worldlm_p2p.split import split_parameters
+from worldlm_p2p.train import (ByteTokenizer, LocalTrainer, build_model, get_flat_params, load_texts,
+                               peer_data_seed, tokenize_splits)
+
+SIM = [sys.executable, "-m", "worldlm_p2p.cli.simulate"]
+LAYOUT = {"eu": ("de_news-reviews-wiki", "fi_mixed"), "na": ("en_answers", "en_email")}
+STRATEGIES = ("worldlm", "fedavg", "hierfavg", "fedper", "local", "centralized")
+B, T, H, ROUNDS, EVAL = 2, 32, 2, 2, 256  # batch size, sequence length, local steps, rounds, eval tokens
+SIM_FLAGS = ["--batch-size", str(B), "--seq-len", str(T), "--local-steps", str(H), "--rounds", str(ROUNDS),
+             "--eval-tokens", str(EVAL), "--threads", "1", "--device", "cpu"]
+METRICS = ("loss", "perplexity", "bits_per_byte")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """``<region>/<sub>/{train,valid}.txt``: the first 200 / 40 lines of four demo sub-corpora."""
+    root = tmp_path_factory.mktemp("corpus")
+    for region, subs in LAYOUT.items():
+        for sub in subs:
+            d = root / region / sub
+            d.mkdir(parents=True)
+            for name, n in (("train.txt", 200), ("valid.txt", 40)):
+                lines = (DEMO / region / sub / name).read_text(encoding="utf-8").splitlines()[:n]
+                (d / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return root
+
+
+def sim_config(corpus: Path, strategy: str = "worldlm", *, seed: int = 0, rounds: int = ROUNDS,
+               **aggregation) -> SimConfig:
+    return SimConfig(data=str(corpus), model=model_preset("tiny"),
+                     train=TrainConfig(batch_size=B, seq_len=T, inner_steps=H, eval_tokens=EVAL, seed=seed),
+                     aggregation=AggregationConfig(strategy=strategy, **aggregation), rounds=rounds, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def run_strategy(corpus):
+    """The results of each strategy on the corpus with seed 0 (computed once per module)."""
+    return functools.cache(lambda strategy: simulate(sim_config(corpus, strategy)))
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == 2, (code, err)
+    assert len(lines) == 1 and lines[0].startswith("worldlm-simulate: error: "), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def run_cli(args: list[str], timeout: float = 120) -> tuple[int, str, str]:
+    p = subprocess.run(SIM + args, capture_output=True, env=env(), timeout=timeout, cwd=Path(__file__).parents[1])
+    return p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
+
+
+# ------------------------------------------------------------------------------ the results file
+
+
+def test_cli_results_json(corpus, tmp_path):
+    out = tmp_path / "res" / "results.json"
+    code, stdout, err = run_cli(["--data", str(corpus), *SIM_FLAGS, "--eval-rounds", "1", "--out", str(out)])
+    assert code == 0, (code, err, stdout[-2000:])
+    assert err == "", err  # stderr is reserved for the one-line error
+    res = json.loads(out.read_text())
+    assert res["strategy"] == "worldlm"
+    assert isinstance(res["wall_seconds"], (int, float)) and res["wall_seconds"] > 0
+    assert set(res["regions"]) == set(LAYOUT)
+    assert set(res["peers"]) == {f"{r}/{s}" for r, subs in LAYOUT.items() for s in subs}
+    for key, peer in res["peers"].items():
+        assert peer["region"] == key.split("/")[0]
+        for field in (*METRICS, "tokens", "bytes_sent_region", "bytes_sent_border"):
+            assert field in peer, (key, field)
+        assert math.isfinite(peer["loss"]) and 0 < peer["loss"] < 10, peer
+        assert math.isclose(peer["perplexity"], math.exp(peer["loss"]), rel_tol=1e-12), peer
+        # byte tokenizer: one token per UTF-8 byte, EOS standing for the line end, so bits/byte = nats/token / ln 2
+        assert math.isclose(peer["bits_per_byte"], peer["loss"] / math.log(2), rel_tol=1e-9), peer
+        assert peer["tokens"] == ROUNDS * H * B * T
+        assert peer["bytes_sent_region"] > 0  # worldlm: every round averages in the region
+    for region, vals in res["regions"].items():
+        mine = [p for p in res["peers"].values() if p["region"] == region]
+        assert len(mine) == len(LAYOUT[region])
+        for m in METRICS:
+            assert math.isclose(vals[m], sum(p[m] for p in mine) / len(mine), rel_tol=1e-12), (region, m)
+        assert math.isclose(vals["perplexity"], sum(math.exp(p["loss"]) for p in mine) / len(mine), rel_tol=1e-12)
+    for m in METRICS:
+        assert math.isclose(res["world"][m], sum(v[m] for v in res["regions"].values()) / len(LAYOUT), rel_tol=1e-12)
+    assert res["tokens"] == len(res["peers"]) * ROUNDS * H * B * T
+    # --eval-rounds 1 adds an evaluation after round 1; the last one is the final result
+    assert [h["round"] for h in res["history"]] == [1, 2]
+    assert res["history"][-1]["peers"] == res["peers"]
+    assert all(p["tokens"] == H * B * T for p in res["history"][0]["peers"].values())
+
+
+# ------------------------------------------------------------------------------ determinism
+
+
+def test_same_seed_same_losses_other_seed_differs(corpus, run_strategy):
+    def losses(res):
+        return {k: v["loss"] for k, v in res["peers"].items()}
+
+    first = run_strategy("worldlm")
+    again = simulate(sim_config(corpus, "worldlm"))
+    assert losses(again) == losses(first)
+    assert again["regions"] == first["regions"]
+    other = simulate(sim_config(corpus, "worldlm", seed=1))
+    assert all(losses(other)[k] != v for k, v in losses(first).items()), (losses(first), losses(other))
+
+
+# ------------------------------------------------------------------------------ strategies
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_runs(run_strategy, strategy):
+    res = run_strategy(strategy)
+    assert res["strategy"] == strategy
+    assert len(res["peers"]) == 4 and set(res["regions"]) == set(LAYOUT)
+    assert all(math.isfinite(p["loss"]) and 0 < p["loss"] < 10 for p in res["peers"].values()), res["peers"]
+    assert res["tokens"] == 4 * ROUNDS * H * B * T
+
+
+def test_byte_accounting(run_strategy):
+    params = run_strategy("local")["parameters"]
+    for strategy in STRATEGIES:
+        assert run_strategy(strategy)["parameters"] == params
+    # local and centralized never send anything
+    for strategy in ("local", "centralized"):
+        assert all(p["bytes_sent_region"] == 0 and p["bytes_sent_border"] == 0
+                   for p in run_strategy(strategy)["peers"].values()), strategy
+    # fedavg: one world group of 4 that averages the whole model every round; each peer sends what the
+    # swarm's butterfly all-reduce estimate says, a third to its region peer and two thirds across the border
+    per_round = allreduce_traffic(4 * params, 4)[0]
+    for key, p in run_strategy("fedavg")["peers"].items():
+        assert p["bytes_sent_border"] > 0, key
+        assert p["bytes_sent_region"] + p["bytes_sent_border"] == ROUNDS * per_round, (key, p)
+        assert p["bytes_sent_border"] == 2 * p["bytes_sent_region"], (key, p)
+    # fedper averages only the backbone (less than fedavg), in the same world group
+    for key, p in run_strategy("fedper")["peers"].items():
+        assert 0 < p["bytes_sent_border"] < run_strategy("fedavg")["peers"][key]["bytes_sent_border"], key
+    # worldlm and hierfavg: regions average apart, only a region's leader (its first sub-corpus) crosses
+    # the border, in world rounds
+    for strategy in ("worldlm", "hierfavg"):
+        for key, p in run_strategy(strategy)["peers"].items():
+            region, label = key.split("/")
+            leader = label == min(LAYOUT[region])
+            assert p["bytes_sent_region"] > 0, (strategy, key)
+            assert (p["bytes_sent_border"] > 0) == leader, (strategy, key, p)
+
+
+def test_centralized_processes_the_same_tokens(run_strategy):
+    central = run_strategy("centralized")
+    for strategy in ("worldlm", "fedavg", "hierfavg", "fedper", "local"):
+        res = run_strategy(strategy)
+        assert central["tokens"] == res["tokens"] == sum(p["tokens"] for p in res["peers"].values()), strategy
+    # one model, evaluated on every peer's held-out text
+    assert len(central["peers"]) == 4
+
+
+# ------------------------------------------------------------------------------ rounds equal the pure functions
+
+
+class _Rebuilt:
+    """A peer rebuilt from scratch: the run's model init and the batch stream of ``(seed, region, label)``."""
+
+    def __init__(self, config: SimConfig, sub: Path) -> None:
+        self.region, self.label = sub.parent.name, sub.name
+        self.model = build_model(config.model, vocab_size=ByteTokenizer().vocab_size, seed=config.train.seed)
+        data = tokenize_splits(load_texts(sub), ByteTokenizer())
+        self.trainer = LocalTrainer(model=self.model, train=config.train, data=data, device=torch.device("cpu"),
+                                    seed=peer_data_seed(config.train.seed, self.region, self.label))
+        self.step = self.tokens = self.tokens_since_world = 0
+
+    def train(self, steps: int) -> int:
+        tokens = 0
+        for _ in range(steps):
+            tokens += self.trainer.train_step(self.step).tokens
+            self.step += 1
+        self.tokens += tokens
+        self.tokens_since_world += tokens
+        return tokens
+
+
+def _rule(config: SimConfig, model: torch.nn.Module) -> RoundRule:
+    names = [n for n, _ in model.named_parameters()]
+    agg = config.aggregation
+    return RoundRule.from_config(agg, split_parameters(names, agg.key_layers), seed=config.train.seed)
+
+
+def _sim_models(sim: Simulator) -> dict[tuple[str, str], list[torch.Tensor]]:
+    return {(p.region, p.label): get_flat_params(p.model) for p in sim.peers}
+
+
+def test_worldlm_region_round_equals_the_pure_round(corpus):
+    """One round: every peer H steps alone, then ``rounds.region_round`` per region."""
+    config = sim_config(corpus, "worldlm", rounds=1, world_every=2)  # no world round after round 1
+    sim = Simulator(config)
+    sim.run()
+    got = _sim_models(sim)
+
+    init = get_flat_params(build_model(config.model, vocab_size=259, seed=0))
+    for region, subs in LAYOUT.items():
+        peers = [_Rebuilt(config, corpus / region / s) for s in subs]
+        weights = [round_weight(p.train(H)) for p in peers]
+        pre = [get_flat_params(p.model) for p in peers]
+        assert max_abs_diff(pre[0], pre[1]) > 1e-4  # they trained apart
+        rule = _rule(config, peers[0].model)
+        want, _ = region_round(rule, pre, weights, anchor=init, momentum=None)
+        for p, w, before in zip(peers, want, pre):
+            assert max_abs_diff(got[(region, p.label)], w) < 1e-6, (region, p.label)
+            assert max_abs_diff(got[(region, p.label)], before) > 1e-5  # the round changed the model
+        # worldlm: the whole region agrees on B and K after a round
+        assert max_abs_diff(got[(region, subs[0])], got[(region, subs[1])]) < 1e-6
+    # regions never average with each other
+    assert max_abs_diff(got[("eu", LAYOUT["eu"][0])], got[("na", LAYOUT["na"][0])]) > 1e-4
+
+
+@pytest.mark.parametrize("strategy", ["worldlm", "hierfavg"])
+def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, strategy):
+    """The schedule: two region rounds (the second from the first's anchor, with the optimizer state
+    carried over), then a world round among the regions' leaders that every member adopts."""
+    config = sim_config(corpus, strategy, rounds=2, world_every=2)
+    sim = Simulator(config)
+    sim.run()
+    got = _sim_models(sim)
+    assert [w["round"] for w in sim.world_rounds] == [2]
+
+    init = get_flat_params(build_model(config.model, vocab_size=259, seed=0))
+    peers = {r: [_Rebuilt(config, corpus / r / s) for s in subs] for r, subs in LAYOUT.items()}
+    rule = _rule(config, peers["eu"][0].model)
+    anchors = {r: init for r in LAYOUT}
+    momenta: dict = {r: None for r in LAYOUT}
+    for _ in range(2):
+        for r, members in peers.items():
+            weights = [round_weight(p.train(H)) for p in members]
+            new, momenta[r] = region_round(rule, [get_flat_params(p.model) for p in members], weights,
+                                           anchor=anchors[r], momentum=momenta[r])
+            for p, tensors in zip(members, new):
+                with torch.no_grad():
+                    for param, t in zip(p.model.parameters(), tensors):
+                        param.copy_(t)
+            anchors[r] = new[0]
+    tokens = {r: float(sum(p.tokens_since_world for p in members)) for r, members in peers.items()}
+    result = world_round(rule, anchors, tokens)
+    for r, members in peers.items():
+        for p in members:
+            assert max_abs_diff(got[(r, p.label)], result.models[r]) < 1e-6, (strategy, r, p.label)
+    if strategy == "hierfavg":  # the world round gives every region the same model
+        assert max_abs_diff(got[("eu", "fi_mixed")], got[("na", "en_email")]) < 1e-6
+    else:  # worldlm: a common backbone, each region's own key layers
+        eu, na = got[("eu", "fi_mixed")], got[("na", "en_email")]
+        assert max_abs_diff(rule.split.take_backbone(eu), rule.split.take_backbone(na)) < 1e-6
+        assert max_abs_diff(rule.split.take_key(eu), rule.split.take_key(na)) > 1e-5
+
+
+# ------------------------------------------------------------------------------ bad input
+
+# Runs the CLI's main() once per case in a forked child of one Python process (stderr -> a file, stdout
+# -> /dev/null): real exit codes and real stderr as a user sees them, without paying torch's import
+# (seconds) once per case.
+_FORKED_MAIN = r"""
+import json, os, sys, tempfile
+import worldlm_p2p.simulate  # the heavy imports, once
+from worldlm_p2p.cli.simulate import main
+out = {}
+for name, argv in json.loads(sys.argv[1]).items():
+    with tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            os.dup2(err.fileno(), 2)
+            code = 1
+            try:
+                main(argv)
+                code = 0
+            except SystemExit as e:
+                code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        err.seek(0)
+        out[name] = [os.waitstatus_to_exitcode(status), err.read().decode(errors="replace")]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_input(corpus, tmp_path_factory) -> dict[str, tuple[list[str], int, str, Path]]:
+    """case -> (needles, exit code, stderr, the --out path that must not appear)."""
+    tmp = tmp_path_factory.mktemp("bad")
+    (tmp / "bad" / "eu" / "de").mkdir(parents=True)  # a sub-corpus without train.txt
+    (tmp / "bad" / "eu" / "de" / "text.txt").write_text("Hallo Welt\n")
+    (tmp / "run.toml").write_text("run_id = [\n[model\n")
+    (tmp / "outdir").mkdir()
+    out = tmp / "r.json"
+    cases = {
+        "no-data": (["--data", str(tmp / "nonexistent")], [str(tmp / "nonexistent"), "does not exist"]),
+        "bad-layout": (["--data", str(tmp / "bad")], [str(tmp / "bad" / "eu" / "de"), "train.txt"]),
+        "rounds-0": (["--rounds", "0"], ["--rounds"]),
+        "bogus-strategy": (["--strategy", "bogus"], ["bogus", "strategy"]),
+        "out-is-dir": (["--out", str(tmp / "outdir")], [str(tmp / "outdir"), "directory"]),
+        "eval-rounds-abc": (["--eval-rounds", "abc"], ["--eval-rounds", "abc"]),
+        "run-config-not-toml": (["--run-config", str(tmp / "run.toml")], [str(tmp / "run.toml"), "TOML"]),
+    }
+    argvs = {name: ["--data", str(corpus), *SIM_FLAGS, "--out", str(out), *extra]  # later flags win
+             for name, (extra, _) in cases.items()}
+    p = subprocess.run([sys.executable, "-c", _FORKED_MAIN, json.dumps(argvs)], capture_output=True, env=env(),
+                       timeout=180, cwd=Path(__file__).parents[1])
+    assert p.returncode == 0, p.stderr.decode(errors="replace")
+    results = json.loads(p.stdout)
+    return {name: (needles, *results[name], out) for name, (_, needles) in cases.items()}
+
+
+@pytest.mark.parametrize("case", ["no-data", "bad-layout", "rounds-0", "bogus-strategy", "out-is-dir",
+                                  "eval-rounds-abc", "run-config-not-toml"])
+def test_bad_input_fails_with_one_line(bad_input, case):
+    needles, code, err, out = bad_input[case]
+    assert_one_line_error(code, err, *needles)
+    assert not out.exists()
+
+
+def test_bad_input_in_a_real_process(tmp_path):
+    """The same promise without the fork: an error found before the heavy imports."""
+    code, _, err = run_cli(["--rounds", "0", "--out", str(tmp_path / "r.json")])
+    assert_one_line_error(code, err, "--rounds")

@@ -1,0 +1,117 @@
+"""WorldLM's world rounds in a real swarm on 127.0.0.1: region leaders elected by lease, world
+rounds among leaders (backbone all-reduce, residual embeddings in the DHT, full residuals fetched
+peer to peer), members adopting the result, and a killed leader replaced by another.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from swarm_utils import (Procs, ProgressReader, log_tail, max_abs_diff, round_rule, start_bootstrap, start_peer,
+                         wait_for)
+
+pytestmark = pytest.mark.network
+
+MANY = 100_000  # peers run until stopped
+
+
+@pytest.fixture
+def procs():
+    p = Procs()
+    yield p
+    p.close()
+
+
+def _world_traces(tmp, label: str, *, leader: bool) -> dict[int, dict]:
+    out = {}
+    suffix = "-leader" if leader else ""
+    for p in sorted((tmp / "trace").glob(f"{label}-world-*{suffix}.pt")):
+        stem = p.stem[len(label) + len("-world-"):]
+        if leader != stem.endswith("-leader"):
+            continue
+        out[int(stem.split("-")[0])] = torch.load(p, weights_only=False)
+    return out
+
+
+def _leaders(reader: ProgressReader) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for label, r in reader.by_label().items():
+        if r.leader and not r.finished:
+            out.setdefault(r.region, set()).add(label)
+    return out
+
+
+def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
+    _, maddrs = start_bootstrap(procs, tmp_path, run_id="world", inner_steps=5, averaging="leader_ttl = 10.0",
+                                aggregation="world_every = 2\nresidual_tau = 1.0")
+    eu = {lab: start_peer(procs, tmp_path, maddrs, region="eu", sub=sub, label=lab, max_steps=MANY)
+          for lab, sub in (("eu-a", "de_news-reviews-wiki"), ("eu-b", "fr_blog-news-reviews-wiki"),
+                           ("eu-c", "nl_news"))}
+    na = {lab: start_peer(procs, tmp_path, maddrs, region="na", sub=sub, label=lab, max_steps=MANY)
+          for lab, sub in (("na-a", "en_email"), ("na-b", "en_reviews"))}
+    labels = {**{k: "eu" for k in eu}, **{k: "na" for k in na}}
+    reader = ProgressReader(maddrs, "world")
+    try:
+        # a world round led by one leader per region ...
+        def common_world_round():
+            by_w: dict[int, list[str]] = {}
+            for lab in labels:
+                for k in _world_traces(tmp_path, lab, leader=True):
+                    by_w.setdefault(k, []).append(lab)
+            for k in sorted(by_w):
+                if sorted(labels[lab] for lab in by_w[k]) == ["eu", "na"]:
+                    return k, sorted(by_w[k], key=labels.get)
+            return None
+
+        try:
+            w, (eu_leader, na_leader) = wait_for(common_world_round, 240, "a world round led by both leaders")
+        except AssertionError:
+            raise AssertionError("\n".join(f"--- {lab}\n{log_tail(tmp_path, lab, 8)}" for lab in labels))
+        # ... the leaders the whole swarm sees in the progress records (peers agree once the
+        # candidacy records have spread; at start-up every peer briefly sees only itself)
+        wait_for(lambda: _leaders(reader) == {"eu": {eu_leader}, "na": {na_leader}}, 60,
+                 f"every peer to see {eu_leader} and {na_leader} as the leaders")
+        te, tn = _world_traces(tmp_path, eu_leader, leader=True)[w], _world_traces(tmp_path, na_leader, leader=True)[w]
+        assert te["regions"] == tn["regions"] == ["eu", "na"]
+        rule = round_rule("worldlm", world_every=2, residual_tau=1.0)
+        split = rule.split
+        # the shared backbone: both regions leave the world round with the same B ...
+        assert max_abs_diff(split.take_backbone(te["model"]), split.take_backbone(tn["model"])) < 1e-5
+        # ... and each keeps its own key layers
+        assert max_abs_diff(split.take_key(te["model"]), split.take_key(tn["model"])) > 1e-4
+        # the network result is the pure world round on the leaders' snapshots and token weights
+        from worldlm_p2p.rounds import world_round
+
+        ref = world_round(rule, {"eu": te["snapshot"], "na": tn["snapshot"]}, {"eu": te["tokens"], "na": tn["tokens"]})
+        assert max_abs_diff(te["model"], ref.models["eu"]) < 1e-4
+        assert max_abs_diff(tn["model"], ref.models["na"]) < 1e-4
+        assert te["fetched"] == ref.fetched["eu"] and tn["fetched"] == ref.fetched["na"]
+
+        # members adopt exactly the leader's change of the region model
+        member = next(lab for lab in eu if lab != eu_leader)
+        wait_for(lambda: w in _world_traces(tmp_path, member, leader=False), 120, f"{member} to adopt world round {w}")
+        got = _world_traces(tmp_path, member, leader=False)[w]["delta"]
+        want = [m.float() - s for m, s in zip(te["model"], te["snapshot"])]
+        assert max_abs_diff(got, want) < 1e-6
+
+        # kill the eu leader: another eu peer takes the lease and leads later world rounds
+        os.kill(eu[eu_leader].pid, signal.SIGKILL)
+        new = wait_for(lambda: (lambda ls: next(iter(ls.get("eu", ())), None)
+                                if ls.get("eu") and eu_leader not in ls["eu"] else None)(_leaders(reader)),
+                       60, "a new eu leader")
+        assert new != eu_leader and labels[new] == "eu"
+        wait_for(lambda: any(k > w for k in _world_traces(tmp_path, new, leader=True)), 240,
+                 f"a world round led by the new eu leader {new}")
+        assert na_leader in _leaders(reader).get("na", set())
+    finally:
+        reader.close()
+    for lab, p in {**eu, **na}.items():
+        if lab != eu_leader:
+            p.send_signal(signal.SIGTERM)
+    for lab, p in {**eu, **na}.items():
+        if lab != eu_leader:
+            assert p.wait(timeout=90) == 0, f"{lab}:\n{log_tail(tmp_path, lab)}"
