@@ -245,3 +245,41 @@ def test_bad_inputs_raise():
         decode_key_layers(payload[:-1], ref, eps=1.0)
     with pytest.raises(ValueError):
         decode_key_layers(payload[:-1] + [torch.zeros(2)], ref, eps=1.0)
+
+
+# ----------------------------------------------------------------------------------- personal mix
+
+
+def test_personalize_hand_computed():
+    # reference 0; own update d_own = (1, 0); region update d_reg = (1, 1): cos = 1/sqrt(2)
+    from worldlm_p2p.attention import personalize
+
+    ref, own, agg = [torch.zeros(2)], [torch.tensor([1.0, 0.0])], [torch.tensor([1.0, 1.0])]
+    tau = 0.5
+    c = 1 / math.sqrt(2)
+    a_own = math.exp(1 / tau) / (math.exp(1 / tau) + math.exp(c / tau))  # softmax([1, c] / tau)[0]
+    want = torch.tensor([a_own * 1 + (1 - a_own) * 1, (1 - a_own) * 1])
+    got = personalize(own, ref, agg, tau=tau)[0]
+    assert torch.allclose(got, want, atol=1e-7)
+
+
+def test_personalize_limits_and_errors():
+    from worldlm_p2p.attention import personalize
+
+    g = torch.Generator().manual_seed(0)
+    ref = [torch.randn(3, 2, generator=g)]
+    own = [ref[0] + torch.randn(3, 2, generator=g)]
+    agg = [ref[0] + torch.randn(3, 2, generator=g)]
+    # a very large temperature gives the midpoint of the two updates
+    mid = personalize(own, ref, agg, tau=1e9)[0]
+    assert torch.allclose(mid, (own[0] + agg[0]) / 2, atol=1e-6)
+    # a tiny temperature keeps the member's own layers (its update is never less similar to itself)
+    assert torch.allclose(personalize(own, ref, agg, tau=1e-3)[0], own[0], atol=1e-6)
+    # identical updates: the result is that update, whatever the temperature
+    assert torch.allclose(personalize(own, ref, own, tau=0.2)[0], own[0], atol=1e-6)
+    # a member that did not move takes half of the region's update at most (cos undefined -> 1)
+    assert torch.allclose(personalize(ref, ref, agg, tau=0.2)[0], ref[0] + (agg[0] - ref[0]) / 2, atol=1e-6)
+    with pytest.raises(ValueError):
+        personalize(own, ref, agg, tau=0.0)
+    with pytest.raises(ValueError):
+        personalize([torch.zeros(3)], [torch.zeros(2)], [torch.zeros(2)], tau=1.0)

@@ -255,3 +255,27 @@ def test_world_round_single_region_is_unchanged_for_worldlm():
     one = {"eu": regions["eu"]}
     res = world_round(RoundRule(strategy="worldlm", split=SPLIT), one, {"eu": tokens["eu"]})
     _close(res.models["eu"], regions["eu"])
+
+
+@pytest.mark.parametrize("scope", ["key", "all"])
+def test_region_round_worldlm_personal_mix(scope):
+    from worldlm_p2p.rounds import region_round_with_anchor
+
+    anchor, members, tokens = _region(seed=7, scale=0.3)
+    rule = RoundRule(strategy="worldlm", split=SPLIT, personal_tau=0.3, personal_scope=scope)
+    plain = RoundRule(strategy="worldlm", split=SPLIT)
+    out, _, agreed = region_round_with_anchor(rule, members, tokens, anchor=anchor, momentum=None)
+    ref_out, _ = region_round(plain, members, tokens, anchor=anchor, momentum=None)
+    # the region's agreed model is the plain worldlm round's result, whatever the members keep
+    _close(agreed, ref_out[0], atol=1e-6)
+    for m, o in zip(members, out):
+        want_k = attention.personalize(SPLIT.take_key(m), SPLIT.take_key(anchor), SPLIT.take_key(agreed), tau=0.3)
+        _close(SPLIT.take_key(o), want_k, atol=1e-6)
+        if scope == "key":
+            _close(SPLIT.take_backbone(o), SPLIT.take_backbone(agreed))
+        else:
+            want_b = attention.personalize(SPLIT.take_backbone(m), SPLIT.take_backbone(anchor),
+                                           SPLIT.take_backbone(agreed), tau=0.3)
+            _close(SPLIT.take_backbone(o), want_b, atol=1e-6)
+    # members keep different models
+    assert max(float((a - b).abs().max()) for a, b in zip(SPLIT.take_key(out[0]), SPLIT.take_key(out[1]))) > 1e-3

@@ -47,10 +47,10 @@ class _RecordingSimulator(Simulator):
         super()._region_rounds(anchors, momenta)
 
 
-def _signal_group(proc, sig) -> None:
+def _signal(proc, sig) -> None:
     try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
+        os.kill(proc.pid, sig)
+    except ProcessLookupError:
         pass
 
 
@@ -59,9 +59,11 @@ def _start_together(procs: Procs, tmp, maddrs, *, timeout: float = 180) -> dict:
 
     The region barrier waits for every peer whose progress record it sees; a peer whose start-up
     (torch, the DHT, the averager) is slower than the others' H steps would not be seen yet and miss
-    the round. So each peer is paused (SIGSTOP, its whole process group) as soon as it logs that it
-    starts training, which it does right after publishing its first progress record, and all resume
-    (SIGCONT) together once the last one is ready. Bounded: after ``timeout`` they resume anyway."""
+    the round. So each peer is paused (SIGSTOP) as soon as it logs that it starts training, which it
+    does right after publishing its first progress record, and all resume (SIGCONT) together once the
+    last one is ready. Only the peer's main process is paused: its DHT process and p2p daemon keep
+    answering, so the others' start-up does not wait for timeouts. Bounded: after ``timeout`` they
+    resume anyway."""
     peers = {label: start_peer(procs, tmp, maddrs, region=REGION, sub=label, label=label, max_steps=H)
              for label in SUBS}
     paused: set[str] = set()
@@ -78,12 +80,12 @@ def _start_together(procs: Procs, tmp, maddrs, *, timeout: float = 180) -> dict:
                 except OSError:
                     continue
                 if TRAINING.search(text):
-                    _signal_group(proc, signal.SIGSTOP)
+                    _signal(proc, signal.SIGSTOP)
                     paused.add(label)
             time.sleep(0.02)
     finally:
         for label in paused:
-            _signal_group(peers[label], signal.SIGCONT)
+            _signal(peers[label], signal.SIGCONT)
     if len(paused) < len(peers):
         pytest.fail(f"only {sorted(paused)} of {list(SUBS)} started training within {timeout:.0f}s:\n"
                     + "\n".join(f"--- {label}\n{log_tail(tmp, label)}" for label in SUBS if label not in paused))
@@ -124,13 +126,14 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path):
             continue  # it found no other live peer: reported below
         t = rounds[label][0]
         assert max_abs_diff(t["anchor"], sim.anchors_before[REGION]) < 1e-7, label  # the common init
-        assert max_abs_diff(t["pre"], sim.pre_round[label]) < 1e-6, (label, max_abs_diff(t["pre"], sim.pre_round[label]))
+        err = max_abs_diff(t["pre"], sim.pre_round[label])
+        assert err < 1e-6, (label, err)  # in practice 0: same kernels, one thread
         assert t["weight"] == H * m.train.batch_size * m.train.seq_len
 
     groups = {label: sums[label]["group_sizes"] for label in SUBS}
     if any(g != [3] for g in groups.values()) or any(not rounds[label].get(0, {}).get("ok") for label in SUBS):
         pytest.fail(f"hivemind did not form one group of all 3 peers (group sizes per peer: {groups}; an overloaded "
-                    "machine?), so the swarm's round is not the simulator's 3-peer round. Pre-round models were "
+                    "machine?), so the swarm's round is not the simulator's 3-peer round. Pre-round models (where traced) were "
                     "equal.\n" + "\n".join(f"--- {label}\n{log_tail(tmp_path, label, 8)}" for label in SUBS))
 
     # after the round: the all-reduce gave what the simulator's weighted mean gives

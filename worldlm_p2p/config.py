@@ -153,6 +153,7 @@ class AggregationConfig:
       K by residual embeddings (:mod:`worldlm_p2p.residual`).
     - ``personal_tau``: > 0 lets each member keep a personal mix of its own and the region's K
       update (:func:`worldlm_p2p.attention.personalize`); 0 adopts the region's K.
+      ``personal_scope="all"`` extends the personal mix to the backbone.
     - ``outer`` / ``outer_lr`` / ``outer_momentum``: the outer optimizer applied to the backbone at
       region rounds (:mod:`worldlm_p2p.outer_optim`); ``sgd`` with lr 1 is FedAvg.
     """
@@ -168,6 +169,7 @@ class AggregationConfig:
     residual_tau: float = 0.1
     residual_beta: float = 0.5
     personal_tau: float = 0.0
+    personal_scope: str = "key"
     outer: str = "sgd"
     outer_lr: float = 1.0  # 1.0 with sgd = plain FedAvg: adopt the averaged model
     outer_momentum: float = 0.9  # nesterov only
@@ -185,6 +187,8 @@ class AggregationConfig:
         _require(self.residual_tau > 0, "aggregation.residual_tau", "must be > 0")
         _require(0 <= self.residual_beta <= 1, "aggregation.residual_beta", "must be in [0, 1]")
         _require(self.personal_tau >= 0, "aggregation.personal_tau", "must be >= 0 (0: members adopt the region's K)")
+        _require(self.personal_scope in ("key", "all"), "aggregation.personal_scope",
+                 f"{self.personal_scope!r} is not one of key, all")
         _require(self.outer in ("sgd", "nesterov"), "aggregation.outer", f"{self.outer!r} is not one of sgd, nesterov")
         _require(0 < self.outer_lr <= 2, "aggregation.outer_lr", "must be in (0, 2]")
         _require(0 <= self.outer_momentum < 1, "aggregation.outer_momentum", "must be in [0, 1)")

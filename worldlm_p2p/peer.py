@@ -378,14 +378,14 @@ class Peer:
         new = None
         if result.ok:
             try:
-                new, momentum = rounds.region_apply(self.rule, result.averaged, params=pre, anchor=anchor,
-                                                    momentum=self._momentum)
+                new, agreed, momentum = rounds.region_step(self.rule, result.averaged, params=pre, anchor=anchor,
+                                                           momentum=self._momentum)
             except ValueError as e:  # e.g. a non-positive attention denominator from a corrupted part
                 result = dataclasses.replace(result, ok=False, averaged=None, error=f"unusable average: {e}")
         if result.ok:
             self._momentum = momentum
             set_params(self.model, new)
-            self._anchor = rounds.region_anchor(self.rule, result.averaged, new_params=new, anchor=anchor)
+            self._anchor = agreed
             s.rounds_completed += 1
             s.group_sizes.append(result.group_size)
             s.round_seconds.append(result.seconds)

@@ -56,7 +56,8 @@ class RoundRule:
     residual_dim: int = 256
     residual_tau: float = 0.1
     residual_beta: float = 0.5
-    personal_tau: float = 0.0  # > 0: each member keeps a personal mix of K (attention.personalize)
+    personal_tau: float = 0.0  # > 0: each member keeps a personal mix (attention.personalize)
+    personal_scope: str = "key"  # what the personal mix covers: "key" (K) or "all" (B and K)
     seed: int = 0
 
     @classmethod
@@ -64,7 +65,8 @@ class RoundRule:
         return cls(strategy=agg.strategy, split=split, attention=agg.attention, tau=agg.tau, eps=agg.eps,
                    outer=agg.outer, outer_lr=agg.outer_lr, outer_momentum=agg.outer_momentum,
                    residual=agg.residual, residual_dim=agg.residual_dim, residual_tau=agg.residual_tau,
-                   residual_beta=agg.residual_beta, personal_tau=agg.personal_tau, seed=seed)
+                   residual_beta=agg.residual_beta, personal_tau=agg.personal_tau,
+                   personal_scope=agg.personal_scope, seed=seed)
 
     @property
     def localises(self) -> bool:
@@ -98,12 +100,14 @@ def region_payload(rule: RoundRule, params: Sequence[torch.Tensor], anchor: Sequ
     return out
 
 
-def region_apply(rule: RoundRule, averaged: Sequence[torch.Tensor], *, params: Sequence[torch.Tensor],
-                 anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """The member's next model (the new region anchor, except for ``fedper``'s own K) and the
-    outer optimizer's momentum, from the averaged payload. With ``personal_tau > 0`` (worldlm)
-    the member's K is its personal mix; :func:`region_anchor` gives the region's agreed model."""
+def region_step(rule: RoundRule, averaged: Sequence[torch.Tensor], *, params: Sequence[torch.Tensor],
+                anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
+    """``(member's next model, region's next agreed model, outer momentum)`` from the averaged
+    payload. The agreed model is the next round's common reference, what late joiners download and
+    what the region exports. The member's model equals it, except for ``fedper``'s own K and, with
+    ``personal_tau > 0`` (worldlm), the member's personal mix of K (``personal_scope="key"``) or of
+    the whole model (``"all"``)."""
     n_b = len(rule.backbone(anchor))
     if len(averaged) < n_b:
         raise ValueError(f"averaged payload has {len(averaged)} tensors, fewer than the {n_b} of the backbone")
@@ -111,27 +115,27 @@ def region_apply(rule: RoundRule, averaged: Sequence[torch.Tensor], *, params: S
                                 lr=rule.outer_lr, mu=rule.outer_momentum)
     new_b = [b.to(a.dtype) for b, a in zip(new_b, rule.backbone(anchor))]
     if not rule.localises:
-        return new_b, new_m
+        return new_b, [t.clone() for t in new_b], new_m
     if rule.strategy == "fedper":
-        new_k = [p.detach().clone() for p in rule.split.take_key(params)]
-    else:
-        new_k = attention.decode_key_layers(averaged[n_b:], rule.split.take_key(anchor), eps=rule.eps)
-        if rule.personal_tau > 0:
-            new_k = attention.personalize(rule.split.take_key(params), rule.split.take_key(anchor), new_k,
-                                          tau=rule.personal_tau)
-    return rule.split.merge(new_b, new_k), new_m
+        model = rule.split.merge(new_b, [p.detach().clone() for p in rule.split.take_key(params)])
+        return model, [t.clone() for t in model], new_m
+    agreed_k = attention.decode_key_layers(averaged[n_b:], rule.split.take_key(anchor), eps=rule.eps)
+    agreed = rule.split.merge(new_b, agreed_k)
+    if rule.personal_tau <= 0:
+        return [t.clone() for t in agreed], agreed, new_m
+    own_k = attention.personalize(rule.split.take_key(params), rule.split.take_key(anchor), agreed_k,
+                                  tau=rule.personal_tau)
+    own_b = new_b if rule.personal_scope == "key" else attention.personalize(
+        rule.split.take_backbone(params), rule.split.take_backbone(anchor), new_b, tau=rule.personal_tau)
+    return rule.split.merge(own_b, own_k), agreed, new_m
 
 
-def region_anchor(rule: RoundRule, averaged: Sequence[torch.Tensor], *, new_params: Sequence[torch.Tensor],
-                  anchor: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The region's agreed model after a round (the next round's common reference, what late
-    joiners download and what the region exports): ``new_params`` except that, with personal K,
-    K is the region's aggregate rather than the member's personal mix."""
-    if rule.strategy != "worldlm" or rule.personal_tau <= 0:
-        return [t.clone() for t in new_params]
-    n_b = len(rule.split.backbone)
-    new_k = attention.decode_key_layers(averaged[n_b:], rule.split.take_key(anchor), eps=rule.eps)
-    return rule.split.merge(rule.split.take_backbone(new_params), new_k)
+def region_apply(rule: RoundRule, averaged: Sequence[torch.Tensor], *, params: Sequence[torch.Tensor],
+                 anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """The member's next model and the outer momentum (:func:`region_step` without the agreed model)."""
+    model, _, new_m = region_step(rule, averaged, params=params, anchor=anchor, momentum=momentum)
+    return model, new_m
 
 
 def region_round(rule: RoundRule, members: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], *,
@@ -147,14 +151,14 @@ def region_round(rule: RoundRule, members: Sequence[Sequence[torch.Tensor]], wei
 def region_round_with_anchor(rule: RoundRule, members: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], *,
                              anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None
                              ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor] | None, list[torch.Tensor]]:
-    """:func:`region_round` plus the region's new agreed model (:func:`region_anchor`)."""
+    """:func:`region_round` plus the region's new agreed model (see :func:`region_step`)."""
     payloads = [region_payload(rule, p, anchor) for p in members]
     averaged = weighted_mean(payloads, weights)
-    out, new_m = [], momentum
+    out, new_m, agreed = [], momentum, None
     for p in members:
-        new, new_m = region_apply(rule, averaged, params=p, anchor=anchor, momentum=momentum)
+        new, agreed, new_m = region_step(rule, averaged, params=p, anchor=anchor, momentum=momentum)
         out.append(new)
-    return out, new_m, region_anchor(rule, averaged, new_params=out[0], anchor=anchor)
+    return out, new_m, agreed
 
 
 # ------------------------------------------------------------------------------ world rounds

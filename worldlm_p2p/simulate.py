@@ -195,7 +195,8 @@ class Simulator:
             loss = p.trainer.evaluate()
             peers[p.key] = dict(region=p.region, loss=loss, perplexity=math.exp(loss),
                                 bits_per_byte=bits_per_byte(loss, bytes_per_token=p.data.valid_bytes_per_token),
-                                tokens=p.tokens, bytes_sent_region=p.bytes_sent_region,
+                                tokens=self._central_tokens if self.central is not None else p.tokens,
+                                bytes_sent_region=p.bytes_sent_region,
                                 bytes_sent_border=p.bytes_sent_border)
         regions = {}
         for r in self.regions:
@@ -272,14 +273,25 @@ def simulate(config: SimConfig, *, on_progress: Callable[[int, int], None] | Non
     return Simulator(config, on_progress=on_progress).run()
 
 
+def _finite(obj: Any) -> Any:
+    """Standard JSON: a NaN or infinite number (e.g. a peer without held-out text) becomes null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def write_results(results: dict[str, Any], path: str | Path) -> Path:
-    """Write ``results`` as JSON atomically."""
+    """Write ``results`` as JSON atomically (NaN and infinities as null)."""
     import json
     import os
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(results, indent=2, allow_nan=True))
+    tmp.write_text(json.dumps(_finite(results), indent=2, allow_nan=False))
     os.replace(tmp, path)
     return path

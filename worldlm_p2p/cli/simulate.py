@@ -46,6 +46,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--residual-beta", type=float, help="step towards similar regions' key layers (default 0.5)")
     p.add_argument("--residual-tau", type=float, help="temperature of the cross-region attention (default 0.1)")
     p.add_argument("--personal-tau", type=float, help="> 0: members keep a personal mix of K (default 0: off)")
+    p.add_argument("--personal-scope", help="what the personal mix covers: key or all (default key)")
     p.add_argument("--outer", help="outer optimizer: sgd or nesterov (default sgd)")
     p.add_argument("--outer-lr", type=float, help="outer learning rate (default 1.0)")
     p.add_argument("--outer-momentum", type=float, help="Nesterov momentum (default 0.9)")
@@ -66,6 +67,7 @@ def _overrides(args) -> dict[str, dict]:
                                ("residual_beta", "aggregation", "residual_beta"),
                                ("residual_tau", "aggregation", "residual_tau"), ("outer", "aggregation", "outer"),
                                ("personal_tau", "aggregation", "personal_tau"),
+                               ("personal_scope", "aggregation", "personal_scope"),
                                ("outer_lr", "aggregation", "outer_lr"),
                                ("outer_momentum", "aggregation", "outer_momentum")):
         value = getattr(args, flag)
@@ -103,13 +105,15 @@ def make_config(args):
         eval_rounds = tuple(sorted({int(x) for x in args.eval_rounds.split(",") if x.strip()}))
     except ValueError:
         raise ConfigError(f"--eval-rounds {args.eval_rounds!r}: expected comma-separated integers") from None
+    if any(r < 1 or r > args.rounds for r in eval_rounds):
+        raise ConfigError(f"--eval-rounds {args.eval_rounds!r}: every round must lie in 1..{args.rounds} (--rounds)")
     data = Path(args.data) if args.data else demo_data_dir()
     return SimConfig(
         data=str(data), model=model_cfg,
         tokenizer=_build_section(TokenizerSpec, "tokenizer", base.get("tokenizer", {}) or {}),
         train=_build_section(TrainConfig, "train", base.get("train", {}) or {}),
         aggregation=_build_section(AggregationConfig, "aggregation", base.get("aggregation", {}) or {}),
-        rounds=args.rounds, eval_rounds=tuple(r for r in eval_rounds if r <= args.rounds) if eval_rounds else (),
+        rounds=args.rounds, eval_rounds=eval_rounds,
         device=args.device)
 
 
