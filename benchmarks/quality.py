@@ -14,7 +14,8 @@ own held-out text, and the ratios ``X / worldlm`` ("worldlm is r times lower tha
 Variants:
 - strategies: worldlm, fedavg, hierfavg, fedper, local, centralized;
 - ablations of worldlm: plain mean for K (``attention=mean``), no residual embeddings, other key
-  layers (``last30``, ``embed_head``), and the other outer optimizer.
+  layers (``last30``, ``embed_head``), the other outer optimizer, the personal mix over K only,
+  and no personal mix (members adopt the region's agreed model, as in the paper).
 
 Usage::
 
@@ -53,6 +54,8 @@ def variants(args) -> list[tuple[str, list[str]]]:
         ("worldlm:K-last30", ["--strategy", "worldlm", "--key-layers", "last30"]),
         ("worldlm:K-embed_head", ["--strategy", "worldlm", "--key-layers", "embed_head"]),
         (f"worldlm:outer-{'sgd' if args.outer == 'nesterov' else 'nesterov'}", ["--strategy", "worldlm", *other_outer]),
+        ("worldlm:personal-K-only", ["--strategy", "worldlm", "--personal-scope", "key"]),
+        ("worldlm:no-personal", ["--strategy", "worldlm", "--personal-tau", "0"]),
     ]
     if args.only:
         wanted = set(args.only.split(","))
@@ -128,7 +131,7 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=SHARED_CORPUS if SHARED_CORPUS.is_dir() else None,
                    help="federated corpus (default ../shared/data/corpus, else the bundled demo slice)")
     p.add_argument("--model", default="tiny")
-    p.add_argument("--rounds", type=int, default=30, help="long budget in region rounds (default 30)")
+    p.add_argument("--rounds", type=int, default=9, help="long budget in region rounds (default 9)")
     p.add_argument("--short-rounds", type=int, help="short budget (default rounds // 3)")
     p.add_argument("--local-steps", type=int, default=10)
     p.add_argument("--world-every", type=int, default=2)

@@ -151,9 +151,10 @@ class AggregationConfig:
     - ``world_every``: a world round after every M-th region round (``worldlm`` and ``hierfavg``).
     - ``residual`` / ``residual_dim`` / ``residual_tau`` / ``residual_beta``: cross-region sharing of
       K by residual embeddings (:mod:`worldlm_p2p.residual`).
-    - ``personal_tau``: > 0 lets each member keep a personal mix of its own and the region's K
-      update (:func:`worldlm_p2p.attention.personalize`); 0 adopts the region's K.
-      ``personal_scope="all"`` extends the personal mix to the backbone.
+    - ``personal_tau`` / ``personal_scope``: with ``personal_tau > 0`` each member keeps a personal
+      mix of its own update and the region's (:func:`worldlm_p2p.attention.personalize`), over
+      the whole model (``"all"``, the default) or over K only (``"key"``); the region's agreed
+      model (B + the region's K) is unchanged by it. 0 makes members adopt the agreed model.
     - ``outer`` / ``outer_lr`` / ``outer_momentum``: the outer optimizer applied to the backbone at
       region rounds (:mod:`worldlm_p2p.outer_optim`); ``sgd`` with lr 1 is FedAvg.
     """
@@ -168,8 +169,8 @@ class AggregationConfig:
     residual_dim: int = 256
     residual_tau: float = 0.1
     residual_beta: float = 0.5
-    personal_tau: float = 0.0
-    personal_scope: str = "key"
+    personal_tau: float = 0.1
+    personal_scope: str = "all"
     outer: str = "sgd"
     outer_lr: float = 1.0  # 1.0 with sgd = plain FedAvg: adopt the averaged model
     outer_momentum: float = 0.9  # nesterov only

@@ -407,6 +407,7 @@ class Peer:
             s.rounds_failed += 1
             logger.warning("round %d: all-reduce failed (%s); keeping the local model", s.round, result.error)
         self._trace(f"round-{s.round:05d}", dict(ok=result.ok, weight=weight, pre=pre, anchor=anchor,
+                                                 agreed=self._anchor if result.ok else None,
                                                  gathered=result.gathered,
                                                  post=[p.detach().to("cpu", copy=True) for p in
                                                        get_flat_params(self.model)]))

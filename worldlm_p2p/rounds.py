@@ -57,7 +57,7 @@ class RoundRule:
     residual_tau: float = 0.1
     residual_beta: float = 0.5
     personal_tau: float = 0.0  # > 0: each member keeps a personal mix (attention.personalize)
-    personal_scope: str = "key"  # what the personal mix covers: "key" (K) or "all" (B and K)
+    personal_scope: str = "all"  # what the personal mix covers: "key" (K) or "all" (B and K)
     seed: int = 0
 
     @classmethod
