@@ -44,6 +44,7 @@ from worldlm_p2p.train import (LocalTrainer, build_model, get_flat_params, load_
 logger = logging.getLogger(__name__)
 
 ALL_REGIONS = "_all"  # the group name of world-group strategies (no region can be named so)
+WORLD_PATIENCE_ROUNDS = 6  # a leader looks for the other leaders for up to this many all-reduce timeouts
 
 
 def fetch_run_manifest(dht, *, run_id: str | None, wait: float, should_stop=lambda: False) -> RunManifest:
@@ -417,7 +418,10 @@ class Peer:
 
     # ------------------------------------------------------------------ world rounds
     def _live_leaders(self) -> int:
-        leases = self._lease.leases()
+        lease = self._lease
+        if lease is None:
+            return 0
+        leases = lease.leases()
         now = get_dht_time()
         fp = self.manifest.fingerprint()
         return sum(1 for region in {r.region for r in leases}
@@ -459,8 +463,11 @@ class Peer:
 
     def _world_round(self, w: int, snapshot: list[torch.Tensor], tokens: float) -> None:
         try:
+            lease = self._lease
             out = self._world.run(world_round=w, region_model=snapshot, tokens=tokens,
-                                  expected_leaders=self._live_leaders(), should_stop=self._stop.is_set)
+                                  expected_leaders=self._live_leaders,
+                                  patience=WORLD_PATIENCE_ROUNDS * self.manifest.averaging.averaging_timeout,
+                                  should_stop=lambda: self._stop.is_set() or not lease.is_leader())
         except Exception as e:  # never kill the peer for a world round
             logger.warning("world round %d failed: %s: %s", w, type(e).__name__, e)
             return

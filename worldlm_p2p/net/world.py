@@ -75,17 +75,27 @@ class WorldExchange:
             logger.debug("world averager shutdown: %s", e)
 
     # ------------------------------------------------------------------ one world round
-    def run(self, *, world_round: int, region_model: Sequence[torch.Tensor], tokens: float, expected_leaders: int,
+    def run(self, *, world_round: int, region_model: Sequence[torch.Tensor], tokens: float,
+            expected_leaders: Callable[[], int], patience: float,
             should_stop: Callable[[], bool] = lambda: False) -> WorldOutcome:
+        """Run one world round. Regions progress at different speeds, so a leader keeps looking for
+        the other leaders (one all-reduce attempt after another) for up to ``patience`` seconds; it
+        runs in the background, so the wait costs its region nothing."""
         t0 = time.monotonic()
         rule = self.rule
-        try:
-            self.averager.set_target_group_size(max(2, expected_leaders))
-        except Exception as e:
-            logger.debug("could not set the leaders' target group size: %s", e)
-        result = self.averager.run_round(rounds.world_payload(rule, region_model), weight=max(float(tokens), 1e-3),
-                                         gather=dict(region=self.region, world_round=int(world_round),
-                                                     tokens=float(tokens)))
+        payload = rounds.world_payload(rule, region_model)
+        while True:
+            try:
+                self.averager.set_target_group_size(max(2, expected_leaders()))
+            except Exception as e:
+                logger.debug("could not set the leaders' target group size: %s", e)
+            result = self.averager.run_round(payload, weight=max(float(tokens), 1e-3),
+                                             gather=dict(region=self.region, world_round=int(world_round),
+                                                         tokens=float(tokens)))
+            if result.ok or should_stop() or time.monotonic() - t0 > patience:
+                break
+            logger.debug("world round %d: no group yet (%s); still waiting for the other leaders", world_round,
+                         result.error)
         if not result.ok:
             return WorldOutcome(ok=False, world_round=world_round, error=result.error,
                                 seconds=time.monotonic() - t0)
