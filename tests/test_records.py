@@ -84,3 +84,23 @@ def test_records_are_signed_and_validated_in_the_dht():
             mallory.shutdown()
     finally:
         boot.shutdown()
+
+
+def test_residual_record_round_trip_and_rejections():
+    import numpy as np
+    import torch
+
+    emb = torch.arange(6, dtype=torch.float32).reshape(2, 3) / 7
+    r = records.ResidualRecord.from_tensor(emb, region="eu", peer_id="p1", world_round=4, fingerprint="abc", time=1.0)
+    assert (r.layers, r.dim) == (2, 3)
+    back = records.ResidualRecord.from_wire(r.to_wire())
+    assert back == r and torch.equal(back.tensor(), emb)
+    for bad in (dict(layers=3), dict(embedding=r.embedding[:-4]), dict(world_round=-1), dict(extra=1),
+                dict(embedding=np.array([np.nan] * 6, dtype="<f4").tobytes())):
+        with pytest.raises(ValueError):
+            records.ResidualRecord.from_wire(dict(r.to_wire(), **bad))
+    # older progress records (without the world fields) still parse, with their defaults
+    wire = _rec().to_wire()
+    wire.pop("world_round"), wire.pop("leader")
+    parsed = records.ProgressRecord.from_wire(wire)
+    assert parsed.world_round == -1 and parsed.leader is False

@@ -31,7 +31,7 @@ import torch
 
 from worldlm_p2p.aggregation import allreduce_traffic, round_weight
 from worldlm_p2p.config import AggregationConfig, ModelConfig, TokenizerSpec, TrainConfig, _require
-from worldlm_p2p.errors import DataError
+from worldlm_p2p.errors import ConfigError, DataError
 from worldlm_p2p.rounds import RoundRule, region_round_with_anchor, world_round
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.train import (LocalTrainer, TokenData, bits_per_byte, build_model, get_flat_params, list_corpus,
@@ -115,10 +115,10 @@ class Simulator:
                 self.peers.append(VirtualPeer(region=region, label=sub.name, data=data, model=model, trainer=trainer))
         self.regions = sorted({p.region for p in self.peers})
         agg = config.aggregation
-        if agg.strategy in ("centralized", "local"):
-            split = split_parameters(self.names, agg.key_layers) if agg.strategy != "centralized" else None
-        else:
-            split = split_parameters(self.names, agg.key_layers)
+        try:
+            split = None if agg.strategy == "centralized" else split_parameters(self.names, agg.key_layers)
+        except ValueError as e:
+            raise ConfigError(f"aggregation.key_layers: {e}") from None
         self.rule = RoundRule.from_config(agg, split, seed=t.seed) if split is not None else None
         self.central: LocalTrainer | None = None
         if agg.strategy == "centralized":
