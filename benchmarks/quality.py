@@ -13,7 +13,8 @@ own held-out text, and the ratios ``X / worldlm`` ("worldlm is r times lower tha
 
 Variants:
 - strategies: worldlm, fedavg, hierfavg, fedper, local, centralized;
-- ablations of worldlm: plain mean for K (``attention=mean``), no residual embeddings, other key
+- ablations of worldlm: plain mean for K (``attention=mean``), no residual embeddings and a
+  residual temperature of 1 (more sharing across regions), other key
   layers (``last30``, ``embed_head``), the other outer optimizer, the personal mix over K only,
   and no personal mix (members adopt the region's agreed model, as in the paper).
 
@@ -51,6 +52,7 @@ def variants(args) -> list[tuple[str, list[str]]]:
     v += [
         ("worldlm:K-mean", ["--strategy", "worldlm", "--attention", "mean"]),
         ("worldlm:no-residual", ["--strategy", "worldlm", "--no-residual"]),
+        ("worldlm:residual-tau-1", ["--strategy", "worldlm", "--residual-tau", "1.0"]),
         ("worldlm:K-last30", ["--strategy", "worldlm", "--key-layers", "last30"]),
         ("worldlm:K-embed_head", ["--strategy", "worldlm", "--key-layers", "embed_head"]),
         (f"worldlm:outer-{'sgd' if args.outer == 'nesterov' else 'nesterov'}", ["--strategy", "worldlm", *other_outer]),
@@ -131,7 +133,7 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=SHARED_CORPUS if SHARED_CORPUS.is_dir() else None,
                    help="federated corpus (default ../shared/data/corpus, else the bundled demo slice)")
     p.add_argument("--model", default="tiny")
-    p.add_argument("--rounds", type=int, default=9, help="long budget in region rounds (default 9)")
+    p.add_argument("--rounds", type=int, default=18, help="long budget in region rounds (default 18)")
     p.add_argument("--short-rounds", type=int, help="short budget (default rounds // 3)")
     p.add_argument("--local-steps", type=int, default=10)
     p.add_argument("--world-every", type=int, default=2)
