@@ -353,29 +353,33 @@ def publish_manifest(dht, validators, manifest: RunManifest, *, ttl: float) -> b
 
 def fetch_manifests(dht) -> list[ManifestRecord]:
     """All valid manifest records currently in the DHT (invalid ones are logged and skipped)."""
+    return _fetch(dht, RUNS_KEY, ManifestRecord.from_wire, "run manifest")
+
+
+def _store(dht, validators, key: str, wire: dict[str, Any], *, ttl: float) -> bool:
+    """Store ``wire`` under this process's own signed subkey of ``key``, expiring ``ttl`` s from now."""
+    return bool(dht.store(key, wire, expiration_time=get_dht_time() + ttl, subkey=owner_subkey(validators),
+                          return_future=False))
+
+
+def _fetch(dht, key: str, parse, what: str) -> list:
+    """Every record under ``key`` that ``parse`` accepts; a malformed one is logged and skipped."""
     out = []
-    for subkey, item in _entries(dht.get(RUNS_KEY, latest=True)).items():
+    for subkey, item in _entries(dht.get(key, latest=True)).items():
         try:
-            out.append(ManifestRecord.from_wire(item.value))
+            out.append(parse(item.value))
         except ValueError as e:
-            logger.warning("rejected a run manifest record from %s: %s", _short(subkey), e)
+            logger.warning("rejected a %s record from %s: %s", what, _short(subkey), e)
     return out
 
 
 def publish_progress(dht, validators, run_id: str, record: ProgressRecord, *, ttl: float) -> bool:
-    return bool(dht.store(progress_key(run_id), record.to_wire(), expiration_time=get_dht_time() + ttl,
-                          subkey=owner_subkey(validators), return_future=False))
+    return _store(dht, validators, progress_key(run_id), record.to_wire(), ttl=ttl)
 
 
 def fetch_progress(dht, run_id: str) -> list[ProgressRecord]:
     """Live progress records of a run (expired ones are gone; malformed ones are logged and skipped)."""
-    out = []
-    for subkey, item in _entries(dht.get(progress_key(run_id), latest=True)).items():
-        try:
-            out.append(ProgressRecord.from_wire(item.value))
-        except ValueError as e:
-            logger.warning("rejected a progress record from %s: %s", _short(subkey), e)
-    return out
+    return _fetch(dht, progress_key(run_id), ProgressRecord.from_wire, "progress")
 
 
 def publish_lease(dht, validators, run_id: str, record: LeaseRecord, *, ttl: float) -> bool:
@@ -384,38 +388,24 @@ def publish_lease(dht, validators, run_id: str, record: LeaseRecord, *, ttl: flo
     hivemind replaces a subkey's value only by one that expires later, so every publication
     (a withdrawal too, whose ``record.expires`` is now) must use the same ``ttl`` or a longer one.
     """
-    return bool(dht.store(leaders_key(run_id), record.to_wire(), expiration_time=get_dht_time() + ttl,
-                          subkey=owner_subkey(validators), return_future=False))
+    return _store(dht, validators, leaders_key(run_id), record.to_wire(), ttl=ttl)
 
 
 def fetch_leases(dht, run_id: str) -> list[LeaseRecord]:
     """Lease records of a run still held by the DHT (their ``expires`` may have passed: the election
     checks it; malformed records are logged and skipped)."""
-    out = []
-    for subkey, item in _entries(dht.get(leaders_key(run_id), latest=True)).items():
-        try:
-            out.append(LeaseRecord.from_wire(item.value))
-        except ValueError as e:
-            logger.warning("rejected a lease record from %s: %s", _short(subkey), e)
-    return out
+    return _fetch(dht, leaders_key(run_id), LeaseRecord.from_wire, "lease")
+
+
+def publish_residual(dht, validators, run_id: str, record: ResidualRecord, *, ttl: float) -> bool:
+    return _store(dht, validators, residuals_key(run_id), record.to_wire(), ttl=ttl)
+
+
+def fetch_residuals(dht, run_id: str) -> list[ResidualRecord]:
+    """Live residual-embedding records of a run (malformed ones are logged and skipped)."""
+    return _fetch(dht, residuals_key(run_id), ResidualRecord.from_wire, "residual")
 
 
 def _short(subkey) -> str:
     text = subkey.decode(errors="replace") if isinstance(subkey, bytes) else str(subkey)
     return text[-16:]
-
-
-def publish_residual(dht, validators, run_id: str, record: ResidualRecord, *, ttl: float) -> bool:
-    return bool(dht.store(residuals_key(run_id), record.to_wire(), expiration_time=get_dht_time() + ttl,
-                          subkey=owner_subkey(validators), return_future=False))
-
-
-def fetch_residuals(dht, run_id: str) -> list[ResidualRecord]:
-    """Live residual-embedding records of a run (malformed ones are logged and skipped)."""
-    out = []
-    for subkey, item in _entries(dht.get(residuals_key(run_id), latest=True)).items():
-        try:
-            out.append(ResidualRecord.from_wire(item.value))
-        except ValueError as e:
-            logger.warning("rejected a residual record from %s: %s", _short(subkey), e)
-    return out
