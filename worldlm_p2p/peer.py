@@ -126,6 +126,7 @@ class Peer:
         self._world = None  # a WorldExchange, created when this peer first leads a world round
         self._world_thread: threading.Thread | None = None
         self._world_lock = threading.Lock()
+        self._share_lock = threading.Lock()
         # the last world change known: (world round, delta of the region model, region round to apply it at)
         self._world_delta: tuple[int, list[torch.Tensor], int] | None = None
         self._region_tokens_since_world = 0.0
@@ -222,7 +223,12 @@ class Peer:
 
     def _share_state(self, round_index: int | None = None) -> None:
         """Serve the region's last agreed model (and the outer momentum) to late joiners, and the
-        last world change (a leader's members download it from the leader)."""
+        last world change (a leader's members download it from the leader). The main thread and the
+        world-round thread both call this: the lock keeps an older state from overwriting a newer one."""
+        with self._share_lock:
+            self._share_state_locked(round_index)
+
+    def _share_state_locked(self, round_index: int | None) -> None:
         with self._world_lock:
             delta = self._world_delta
         momentum = list(self._momentum) if self._momentum is not None else []
