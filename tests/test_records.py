@@ -104,3 +104,17 @@ def test_residual_record_round_trip_and_rejections():
     wire.pop("world_round"), wire.pop("leader")
     parsed = records.ProgressRecord.from_wire(wire)
     assert parsed.world_round == -1 and parsed.leader is False
+
+
+def test_progress_loss_trend_and_epsilon_on_the_wire():
+    r = _rec(loss_trend=(3.0, 2.5), epsilon=1.25)
+    assert records.ProgressRecord.from_wire(r.to_wire()) == r
+    assert _rec().to_wire()["epsilon"] == -1.0  # -1: differential privacy is off
+    # only the newest MAX_LOSS_TREND finite points travel; a non-finite epsilon means "off"
+    long = _rec(loss_trend=tuple(float(i) for i in range(40)) + (float("nan"),), epsilon=float("inf"))
+    back = records.ProgressRecord.from_wire(long.to_wire())
+    assert back.loss_trend == tuple(float(i) for i in range(40 - records.MAX_LOSS_TREND, 40)) and back.epsilon == -1.0
+    for bad in (dict(loss_trend=[1.0] * (records.MAX_LOSS_TREND + 1)), dict(loss_trend=[-1.0]),
+                dict(epsilon=-2.0), dict(epsilon="1")):
+        with pytest.raises(ValueError):
+            records.ProgressRecord.from_wire(dict(r.to_wire(), **bad))

@@ -1,13 +1,16 @@
-"""Rich renderables for the swarm's progress (pure: records in, renderable out; nothing printed)."""
+"""Rich renderables for the swarm's progress (pure: records or snapshots in, renderable out; nothing printed)."""
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from worldlm_p2p.net.monitor import short_id
 from worldlm_p2p.net.records import ProgressRecord
 
 
@@ -55,3 +58,76 @@ def progress_table(records: Iterable[ProgressRecord], *, labels: Mapping[str, st
                       f"{r.tokens_per_s:,.0f}", str(r.rounds_completed), str(r.last_group_size or "-"), status)
     table.caption = f"{sum(1 for r in by_label.values() if not r.finished)} peers online, {total_tps:,.0f} tokens/s"
     return table
+
+
+# ----------------------------------------------------------------------------- worldlm-monitor
+
+_SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Sequence[float]) -> str:
+    """``values`` as block characters scaled between their minimum and maximum ("" when empty)."""
+    vals = [v for v in values if math.isfinite(v)]
+    if not vals:
+        return ""
+    lo, hi = min(vals), max(vals)
+    if hi - lo < 1e-12:
+        return _SPARKS[3] * len(vals)
+    return "".join(_SPARKS[min(len(_SPARKS) - 1, int((v - lo) / (hi - lo) * len(_SPARKS)))] for v in vals)
+
+
+def _trend(values: Sequence[float]) -> Text:
+    if len(values) < 2 or values[0] <= 0:
+        return Text(sparkline(values))
+    change = values[-1] / values[0] - 1
+    return Text(f"{sparkline(values)} {change:+.0%}", style="green" if change < 0 else "red")
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def monitor_view(snapshot: Mapping[str, Any]) -> RenderableType:
+    """The live view of ``worldlm-monitor``: one table per region, then the swarm's totals.
+    ``snapshot``: :func:`worldlm_p2p.net.monitor.build_snapshot`'s dict."""
+    about = snapshot.get("manifest")
+    title = f"WorldLM swarm · run {snapshot['run_id']}"
+    if about:
+        title += f" · {about['strategy']} · model {about['model']} · H={about['inner_steps']}"
+    parts: list[RenderableType] = [Text(title, style="bold")]
+    for region, reg in snapshot["regions"].items():
+        leader = f"{reg['leader_label']} ({short_id(reg['leader'])})" if reg["leader"] else "none"
+        head = Text.assemble((f"{region}", "bold cyan"), f"  leader {leader} · region round {reg['region_round']}"
+                             f" · world round {reg['world_round'] if reg['world_round'] >= 0 else '-'}"
+                             f" · loss {reg['train_loss']:.3f} ", _trend(reg["loss_trend"]))
+        if reg.get("epsilon") is not None:
+            head.append(f" · ε {reg['epsilon']:.2f}")
+        dp = any(p["epsilon"] is not None for p in reg["peers"])
+        table = Table(title=head, title_justify="left", expand=False)
+        cols = [("id", "left"), ("peer", "left"), ("step", "right"), ("tokens", "right"), ("loss", "right"),
+                ("trend", "left"), ("tok/s", "right"), ("rounds", "right"), ("world", "right"), ("heard", "right")]
+        if dp:
+            cols.append(("ε", "right"))
+        cols.append(("status", "left"))
+        for name, just in cols:
+            table.add_column(name, justify=just)  # type: ignore[arg-type]
+        for p in reg["peers"]:
+            row = [p["short_id"], ("★ " if p["leader"] else "") + p["label"], str(p["step"]), f"{p['tokens']:,}",
+                   f"{p['train_loss']:.3f}", sparkline(p["loss_trend"][-8:]), f"{p['tokens_per_s']:,.0f}",
+                   str(p["rounds_completed"]), str(p["world_round"]) if p["world_round"] >= 0 else "-",
+                   f"{p['seconds_since_heard']:.0f}s ago"]
+            if dp:
+                row.append(f"{p['epsilon']:.2f}" if p["epsilon"] is not None else "-")
+            row.append(p["status"])
+            table.add_row(*row)
+        parts.append(table)
+    t = snapshot["totals"]
+    if not t["peers"]:
+        parts.append(Text("no peer of this run is online", style="yellow"))
+    parts.append(Text(f"{t['peers_online']} peers online in {t['regions']} regions · {t['tokens_per_s']:,.0f} tokens/s · "
+                      f"{t['tokens']:,} tokens trained · {_bytes(t['bytes_sent'])} sent", style="bold"))
+    return Group(*parts)

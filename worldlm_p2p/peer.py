@@ -34,6 +34,7 @@ from worldlm_p2p.checkpoint import load_latest_checkpoint, save_checkpoint
 from worldlm_p2p.config import PeerConfig, RunManifest, manifest_conflicts
 from worldlm_p2p.errors import CheckpointError, ConfigError, DataError, ManifestError
 from worldlm_p2p.net import barrier, records
+from worldlm_p2p.net.records import fetch_run_manifest
 from worldlm_p2p.net.averaging import RegionAverager
 from worldlm_p2p.net.dht import ensure_identity, start_dht
 from worldlm_p2p.net.leader import LeaderLease, elect
@@ -45,37 +46,6 @@ logger = logging.getLogger(__name__)
 
 ALL_REGIONS = "_all"  # the group name of world-group strategies (no region can be named so)
 WORLD_PATIENCE_ROUNDS = 6  # a leader looks for the other leaders for up to this many all-reduce timeouts
-
-
-def fetch_run_manifest(dht, *, run_id: str | None, wait: float, should_stop=lambda: False) -> RunManifest:
-    """Wait up to ``wait`` seconds for the run manifest in the DHT and return it.
-
-    Raises :class:`ManifestError` if none appears, if several runs exist and ``run_id`` is not
-    given, or if publishers disagree about the run's manifest."""
-    deadline = time.monotonic() + wait
-    seen: list[records.ManifestRecord] = []
-    while True:
-        seen = records.fetch_manifests(dht)
-        matching = [r for r in seen if run_id is None or r.run_id == run_id]
-        if matching:
-            runs = sorted({r.run_id for r in matching})
-            if len(runs) > 1:
-                raise ManifestError(f"several runs are published ({', '.join(runs)}); choose one with --run-id")
-            prints = sorted({r.fingerprint for r in matching})
-            if len(prints) > 1:
-                raise ManifestError(f"bootstrap nodes publish different manifests for run {runs[0]!r} "
-                                    f"(fingerprints {', '.join(prints)})")
-            return matching[0].manifest
-        if should_stop():
-            raise KeyboardInterrupt
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(0.5)
-    if run_id is not None and seen:
-        raise ManifestError(f"run {run_id!r} is not published in the DHT (found: "
-                            f"{', '.join(sorted({r.run_id for r in seen}))})")
-    raise ManifestError(f"no run manifest found in the DHT within {wait:.0f}s; start worldlm-bootstrap "
-                        "with --run-config, or check --initial-peers")
 
 
 @dataclass
@@ -102,6 +72,10 @@ class PeerStats:
     world_round: int = -1  # the last world round adopted
     rounds_since_world: int = 0
     bytes_sent_border: int = 0
+    # one point every inner_steps steps: step, tokens, mean train loss of those steps, region and world round
+    history: list[dict[str, Any]] = field(default_factory=list)
+    span_loss: float = 0.0  # sum of the train losses since the last history point
+    span_steps: int = 0
 
 
 class Peer:
@@ -267,6 +241,7 @@ class Peer:
             if k in p["stats"]:
                 setattr(s, k, p["stats"][k])
         s.group_sizes = list(p["stats"].get("group_sizes", []))
+        s.history = [dict(h) for h in p["stats"].get("history", [])]
         s.initial_step, s.initial_tokens, s.started_from = s.step, s.tokens, "checkpoint"
         logger.info("resumed from checkpoint %s at step %d (%d tokens, %d rounds)", loaded.path, s.step, s.tokens,
                     s.rounds_completed)
@@ -332,7 +307,8 @@ class Peer:
             last_group_size=s.group_sizes[-1] if s.group_sizes else 0, bytes_sent=s.bytes_sent,
             bytes_received=s.bytes_received, round=s.round, waiting_for_round=s.waiting_for_round,
             fingerprint=self.manifest.fingerprint(), time=time.time(), finished=self._stop.is_set(),
-            world_round=s.world_round, leader=bool(self._lease is not None and self._lease.is_leader()))
+            world_round=s.world_round, leader=bool(self._lease is not None and self._lease.is_leader()),
+            loss_trend=tuple(h["loss"] for h in s.history[-records.MAX_LOSS_TREND:]))
 
     def _publish_progress(self) -> None:
         try:
@@ -568,13 +544,22 @@ class Peer:
                        world_round=s.world_round, world_rounds_led=s.world_rounds_led,
                        world_rounds_adopted=s.world_rounds_adopted, rounds_since_world=s.rounds_since_world,
                        bytes_sent_border=s.bytes_sent_border,
-                       last_train_loss=s.last_train_loss, group_sizes=list(s.group_sizes)),
+                       last_train_loss=s.last_train_loss, group_sizes=list(s.group_sizes),
+                       history=list(s.history)),
+            manifest=self.manifest.to_dict(), label=self.label, peer_id=self.peer_id,
         )
         path = save_checkpoint(self.config.checkpoint_dir, step=s.step, payload=payload,
                                keep=self.config.keep_checkpoints)
         logger.info("checkpoint written: %s", path)
 
     # ------------------------------------------------------------------ main loop
+    def _history_point(self) -> None:
+        s = self.stats
+        if s.span_steps:
+            s.history.append(dict(step=s.step, tokens=s.tokens, loss=s.span_loss / s.span_steps, round=s.round,
+                                  world_round=s.world_round, time=time.time()))
+        s.span_loss, s.span_steps = 0.0, 0
+
     def _done(self) -> bool:
         cfg, s = self.config, self.stats
         return (cfg.max_steps is not None and s.step >= cfg.max_steps) or (
@@ -597,6 +582,11 @@ class Peer:
             s.last_train_loss = result.loss
             if s.first_train_loss is None:
                 s.first_train_loss = result.loss
+            if math.isfinite(result.loss):
+                s.span_loss += result.loss
+                s.span_steps += 1
+            if s.step % H == 0:
+                self._history_point()
             if s.step % H == 0 and m.aggregation.strategy != "local":
                 self._region_round()
             if s.step % cfg.checkpoint_every == 0:
@@ -620,6 +610,8 @@ class Peer:
             tokens_per_s=self._record().tokens_per_s if self.manifest else 0.0,
             bytes_sent=s.bytes_sent, bytes_received=s.bytes_received, bytes_sent_border=s.bytes_sent_border,
             world_round=s.world_round, world_rounds_led=s.world_rounds_led, world_rounds_adopted=s.world_rounds_adopted,
+            history=list(s.history), inner_steps=self.manifest.train.inner_steps if self.manifest else None,
+            strategy=self.manifest.aggregation.strategy if self.manifest else None,
         )
         if final_eval and self.manifest is not None:
             out["valid_loss"] = self.trainer.evaluate()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -30,7 +31,7 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils.timed_storage import get_dht_time
 
 from worldlm_p2p.config import RunManifest
-from worldlm_p2p.errors import ConfigError
+from worldlm_p2p.errors import ConfigError, ManifestError
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ _Count = pydantic.conint(strict=True, ge=0)
 _Float = pydantic.confloat(strict=True, allow_inf_nan=False)
 _NonNegFloat = pydantic.confloat(strict=True, ge=0, allow_inf_nan=False)
 MAX_LEASE_MADDRS = 8  # multiaddrs a lease record may carry (each at most _MAX_STR characters)
+MAX_LOSS_TREND = 16  # recent loss points a progress record carries
 
 
 class _ProgressModel(pydantic.BaseModel):
@@ -65,6 +67,8 @@ class _ProgressModel(pydantic.BaseModel):
     finished: pydantic.StrictBool
     world_round: pydantic.conint(strict=True, ge=-1) = -1
     leader: pydantic.StrictBool = False
+    loss_trend: pydantic.conlist(_NonNegFloat, max_items=MAX_LOSS_TREND) = []
+    epsilon: pydantic.confloat(strict=True, ge=-1, allow_inf_nan=False) = -1.0
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -182,11 +186,17 @@ class ProgressRecord:
     finished: bool = False
     world_round: int = -1  # the last world round whose result this peer adopted (-1: none)
     leader: bool = False  # whether this peer holds its region's leader lease
+    # mean train loss of each of the last (at most MAX_LOSS_TREND) spans of inner_steps steps, oldest first
+    loss_trend: tuple[float, ...] = ()
+    epsilon: float = -1.0  # privacy budget spent by the peer's DP-SGD (-1: differential privacy is off)
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["world_round"] = max(-1, int(d["world_round"]))
         d["leader"] = bool(d["leader"])
+        d["loss_trend"] = [float(x) for x in d["loss_trend"] if math.isfinite(x) and x >= 0][-MAX_LOSS_TREND:]
+        eps = float(d["epsilon"])
+        d["epsilon"] = eps if math.isfinite(eps) and eps >= 0 else -1.0
         for k in ("train_loss", "tokens_per_s", "time"):
             v = float(d[k])
             d[k] = v if math.isfinite(v) and v >= 0 else 0.0
@@ -205,7 +215,9 @@ class ProgressRecord:
             parsed = _ProgressModel.parse_obj(dict(value))
         except pydantic.ValidationError as e:
             raise ValueError(" ".join(str(e).split())) from None
-        return cls(**parsed.dict())
+        d = parsed.dict()
+        d["loss_trend"] = tuple(d["loss_trend"])
+        return cls(**d)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -354,6 +366,37 @@ def publish_manifest(dht, validators, manifest: RunManifest, *, ttl: float) -> b
 def fetch_manifests(dht) -> list[ManifestRecord]:
     """All valid manifest records currently in the DHT (invalid ones are logged and skipped)."""
     return _fetch(dht, RUNS_KEY, ManifestRecord.from_wire, "run manifest")
+
+
+def fetch_run_manifest(dht, *, run_id: str | None, wait: float, should_stop=lambda: False) -> RunManifest:
+    """Wait up to ``wait`` seconds for the run manifest in the DHT and return it.
+
+    Raises :class:`ManifestError` if none appears, if several runs exist and ``run_id`` is not
+    given, or if publishers disagree about the run's manifest."""
+    deadline = time.monotonic() + wait
+    seen: list[ManifestRecord] = []
+    while True:
+        seen = fetch_manifests(dht)
+        matching = [r for r in seen if run_id is None or r.run_id == run_id]
+        if matching:
+            runs = sorted({r.run_id for r in matching})
+            if len(runs) > 1:
+                raise ManifestError(f"several runs are published ({', '.join(runs)}); choose one with --run-id")
+            prints = sorted({r.fingerprint for r in matching})
+            if len(prints) > 1:
+                raise ManifestError(f"bootstrap nodes publish different manifests for run {runs[0]!r} "
+                                    f"(fingerprints {', '.join(prints)})")
+            return matching[0].manifest
+        if should_stop():
+            raise KeyboardInterrupt
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    if run_id is not None and seen:
+        raise ManifestError(f"run {run_id!r} is not published in the DHT (found: "
+                            f"{', '.join(sorted({r.run_id for r in seen}))})")
+    raise ManifestError(f"no run manifest found in the DHT within {wait:.0f}s; start worldlm-bootstrap "
+                        "with --run-config, or check --initial-peers")
 
 
 def _store(dht, validators, key: str, wire: dict[str, Any], *, ttl: float) -> bool:

@@ -1,0 +1,189 @@
+"""worldlm-monitor: the pure snapshot, its rendering, and the CLI against a live loopback swarm."""
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import pytest
+from rich.console import Console
+
+from swarm_utils import REPO, Procs, env, start_bootstrap, start_peer, wait_for
+from worldlm_p2p.display import monitor_view, sparkline
+from worldlm_p2p.net.monitor import build_snapshot, short_id
+from worldlm_p2p.net.records import LeaseRecord, ProgressRecord
+
+
+def _rec(label, region, *, peer_id=None, step=10, tokens=1000, loss=2.0, tps=100.0, t=100.0, finished=False,
+         round=2, world_round=-1, trend=(), epsilon=-1.0, fingerprint="f", bytes_sent=10):
+    return ProgressRecord(region=region, peer_id=peer_id or f"Qm{label}", label=label, step=step, tokens=tokens,
+                          train_loss=loss, tokens_per_s=tps, rounds_completed=round, last_group_size=2,
+                          bytes_sent=bytes_sent, bytes_received=5, round=round, waiting_for_round=-1,
+                          fingerprint=fingerprint, time=t, finished=finished, world_round=world_round,
+                          loss_trend=tuple(trend), epsilon=epsilon)
+
+
+def _lease(peer_id, region, since, expires, fingerprint="f"):
+    return LeaseRecord(region=region, peer_id=peer_id, since=since, expires=expires, fingerprint=fingerprint)
+
+
+def test_snapshot_by_hand():
+    progress = [
+        _rec("eu-a", "eu", step=20, tokens=2000, loss=2.0, tps=100.0, t=98.0, round=4, world_round=1,
+             trend=(3.0, 2.5, 2.0), bytes_sent=100),
+        _rec("eu-a", "eu", step=10, tokens=1000, loss=2.9, t=90.0),  # an older record of the same peer
+        _rec("eu-b", "eu", step=15, tokens=1500, loss=3.0, tps=50.0, t=99.5, round=3, trend=(2.8, 3.0),
+             epsilon=1.5, bytes_sent=200),
+        _rec("na-a", "na", step=5, tokens=500, loss=4.0, tps=40.0, t=95.0, finished=True, round=1, bytes_sent=300),
+    ]
+    leases = [_lease("Qmeu-b", "eu", since=1.0, expires=50.0),  # expired at DHT time 60: not the leader
+              _lease("Qmeu-a", "eu", since=2.0, expires=70.0),
+              _lease("Qmzz", "na", since=1.0, expires=70.0, fingerprint="other")]  # another manifest's lease
+    snap = build_snapshot(progress, leases, run_id="r", now=100.0, dht_now=60.0)
+    eu, na = snap["regions"]["eu"], snap["regions"]["na"]
+    assert list(snap["regions"]) == ["eu", "na"]
+    assert [p["label"] for p in eu["peers"]] == ["eu-a", "eu-b"]
+    assert eu["leader"] == "Qmeu-a" and eu["leader_label"] == "eu-a"
+    assert [p["leader"] for p in eu["peers"]] == [True, False]
+    a = eu["peers"][0]
+    assert (a["step"], a["tokens"], a["train_loss"], a["seconds_since_heard"]) == (20, 2000, 2.0, 2.0)
+    assert (eu["region_round"], eu["world_round"], eu["peers_online"], eu["tokens"]) == (4, 1, 2, 3500)
+    assert eu["tokens_per_s"] == 150.0 and eu["train_loss"] == 2.5
+    # trends aligned at their newest points: [3.0, (2.5+2.8)/2, (2.0+3.0)/2]
+    assert eu["loss_trend"] == pytest.approx([3.0, 2.65, 2.5])
+    assert eu["epsilon"] == 1.5 and a["epsilon"] is None and eu["peers"][1]["epsilon"] == 1.5
+    # without a manifest every fingerprint counts, so na's lease of "other" elects Qmzz
+    assert na["leader"] == "Qmzz" and na["leader_label"] is None
+    assert na["peers_online"] == 0 and na["tokens_per_s"] == 0.0 and na["peers"][0]["status"] == "finished"
+    assert snap["totals"] == dict(regions=2, peers=3, peers_online=2, tokens=4000, tokens_per_s=150.0, bytes_sent=600)
+    json.dumps(snap)  # JSON-able as is
+    assert short_id("12D3KooWabcdef123456") == "…123456"
+
+
+def test_snapshot_with_manifest_drops_other_runs():
+    from worldlm_p2p.config import RunManifest
+
+    m = RunManifest.from_dict({"run_id": "r"})
+    fp = m.fingerprint()
+    progress = [_rec("eu-a", "eu", fingerprint=fp), _rec("eu-old", "eu", fingerprint="stale")]
+    leases = [_lease("Qmeu-old", "eu", 1.0, 99.0, fingerprint="stale"), _lease("Qmeu-a", "eu", 2.0, 99.0, fingerprint=fp)]
+    snap = build_snapshot(progress, leases, run_id="r", now=100.0, dht_now=60.0, manifest=m)
+    assert [p["label"] for p in snap["regions"]["eu"]["peers"]] == ["eu-a"]
+    assert snap["regions"]["eu"]["leader"] == "Qmeu-a"
+    assert snap["manifest"]["strategy"] == m.aggregation.strategy and snap["manifest"]["fingerprint"] == fp
+
+
+def test_sparkline():
+    assert sparkline([]) == ""
+    assert sparkline([1.0, 1.0]) == "▄▄"
+    assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
+    assert sparkline([1.0, math.nan, 2.0]) == "▁█"
+
+
+def test_monitor_view_renders_regions_leaders_totals_and_epsilon():
+    progress = [_rec("eu-a", "eu", trend=(3.0, 2.0), round=4, world_round=1),
+                _rec("eu-b", "eu", epsilon=2.25), _rec("na-a", "na", tokens=500)]
+    snap = build_snapshot(progress, [_lease("Qmeu-a", "eu", 1.0, 99.0)], run_id="demo", now=101.0, dht_now=60.0)
+    console = Console(record=True, width=150)
+    console.print(monitor_view(snap))
+    text = console.export_text()
+    for needle in ("WorldLM swarm · run demo", "leader eu-a (Qmeu-a)", "region round 4", "world round 1",
+                   "★ eu-a", "eu-b", "na-a", "leader none", "ε 2.25", "2.25", "3 peers online in 2 regions",
+                   "2,500 tokens trained", "-33%", "1s ago"):
+        assert needle in text, f"{needle!r} not in\n{text}"
+    empty = build_snapshot([], [], run_id="demo", now=1.0, dht_now=1.0)
+    console = Console(record=True, width=150)
+    console.print(monitor_view(empty))
+    assert "no peer of this run is online" in console.export_text()
+
+
+def _monitor(maddrs, *args, timeout=90):
+    return subprocess.run([sys.executable, "-m", "worldlm_p2p.cli.monitor", "--initial-peers", *maddrs, *args],
+                          capture_output=True, text=True, env=env(), cwd=REPO, timeout=timeout)
+
+
+def test_monitor_bad_input_is_one_line():
+    for args in (["--initial-peers", "not-a-maddr", "--once"], ["--initial-peers", "/ip4/127.0.0.1/tcp/1", "--once"],
+                 ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmaqJesiNcZak8Ns1727tE9RGyDzXE1w7qZxtnr2hcVipv",
+                  "--run-id", "bad id!"],
+                 ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmaqJesiNcZak8Ns1727tE9RGyDzXE1w7qZxtnr2hcVipv",
+                  "--interval", "0"]):
+        r = subprocess.run([sys.executable, "-m", "worldlm_p2p.cli.monitor", *args], capture_output=True, text=True,
+                           env=env(), cwd=REPO, timeout=60)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("worldlm-monitor: error:"), r.stderr
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_monitor_against_a_live_swarm(tmp_path):
+    from worldlm_p2p.net.monitor import SwarmMonitor
+
+    procs = Procs()
+    watcher = None
+    try:
+        _, maddrs = start_bootstrap(procs, tmp_path, run_id="mon", inner_steps=5)
+        # no peer yet: bounded wait, exit code 1, one line
+        r = _monitor(maddrs, "--run-id", "mon", "--once", "--json", "--wait", "2")
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        assert r.stderr.strip().startswith("worldlm-monitor: error: no peer of run 'mon' found"), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+        peers = {}
+        for label, region, sub in _four_peers():
+            peers[label] = (region, start_peer(procs, tmp_path, maddrs, region=region, sub=sub, label=label,
+                                               max_steps=100000))
+        # an in-process monitor (the same class the CLI uses) waits cheaply; the CLI then checks once
+        watcher = SwarmMonitor(initial_peers=maddrs, run_id="mon")
+
+        def complete(snap):
+            labels = {p["label"] for reg in snap["regions"].values() for p in reg["peers"]}
+            leaders_ok = all(reg["leader"] in {p["peer_id"] for p in reg["peers"]} for reg in snap["regions"].values())
+            steps_ok = all(p["step"] > 0 for reg in snap["regions"].values() for p in reg["peers"])
+            return labels == set(peers) and leaders_ok and steps_ok
+
+        wait_for(lambda: complete(watcher.snapshot()), 150, "all 4 peers with a leader per region", poll=1)
+        r = _monitor(maddrs, "--once", "--json", "--wait", "30")  # the run id is found from the manifest
+        assert r.returncode == 0, r.stderr
+        snap = json.loads(r.stdout)
+        assert complete(snap), snap
+        assert snap["run_id"] == "mon" and snap["manifest"]["strategy"] == "worldlm"
+        assert sorted(snap["regions"]) == ["eu", "na"]
+        for region, reg in snap["regions"].items():
+            assert {p["label"] for p in reg["peers"]} == {lab for lab, (r_, _) in peers.items() if r_ == region}
+            assert all(p["region"] == region for p in reg["peers"])
+            assert sum(p["leader"] for p in reg["peers"]) == 1
+            assert reg["leader_label"] == next(p["label"] for p in reg["peers"] if p["leader"])
+        assert snap["totals"]["peers"] == 4 and snap["totals"]["regions"] == 2
+        # the rich view renders every peer
+        r = _monitor(maddrs, "--run-id", "mon", "--once")
+        assert r.returncode == 0, r.stderr
+        for label in peers:
+            assert label in r.stdout, r.stdout
+        assert "peers online in 2 regions" in r.stdout and "leader " in r.stdout
+        # SIGKILL one peer: its record expires (progress_ttl 15 s) and it leaves the snapshot
+        victim = "na-b"
+        peers[victim][1].send_signal(signal.SIGKILL)
+        rest = set(peers) - {victim}
+        wait_for(lambda: {p["label"] for reg in watcher.snapshot()["regions"].values() for p in reg["peers"]} == rest,
+                 60, f"{victim} to disappear after its record expired", poll=1)
+        r = _monitor(maddrs, "--run-id", "mon", "--once", "--json")
+        assert r.returncode == 0, r.stderr
+        snap = json.loads(r.stdout)
+        assert {p["label"] for reg in snap["regions"].values() for p in reg["peers"]} == rest
+        assert snap["totals"]["peers"] == 3
+        # the monitors never joined a group: no region round ever had more members than the region's peers
+        assert all(p["last_group_size"] <= 2 for reg in snap["regions"].values() for p in reg["peers"])
+    finally:
+        if watcher is not None:
+            watcher.close()
+        procs.close()
+
+
+def _four_peers():
+    demo = REPO / "worldlm_p2p" / "demo_data"
+    out = []
+    for region in ("eu", "na"):
+        subs = sorted(p.name for p in (demo / region).iterdir() if p.is_dir())[:2]
+        out += [(f"{region}-{c}", region, s) for c, s in zip("ab", subs)]
+    return out

@@ -1,0 +1,206 @@
+"""What ``worldlm-monitor`` sees: a read-only view of a run, built from the DHT's records.
+
+:class:`SwarmMonitor` is a client-mode DHT node: it reads the run's progress records
+(``<run>_progress``) and leader candidacies (``<run>_leaders``), never stores a record and never
+joins an averaging group. :func:`build_snapshot` (pure) turns those records into one snapshot, a
+plain JSON-able dict; this is the schema ``worldlm-monitor --once --json`` prints::
+
+    {
+      "run_id": "demo",
+      "time": 1764517000.0,                # wall-clock time of the snapshot (s since the epoch)
+      "manifest": {"fingerprint": "...", "strategy": "worldlm", "model": "tiny", "inner_steps": 15}
+                  | null,                  # null when the run manifest was not found in the DHT
+      "regions": {
+        "eu": {
+          "leader": "12D3KooW..." | null,  # peer id holding the region's leader lease (null: none)
+          "leader_label": "eu-de" | null,
+          "region_round": 4,               # region rounds the region has run (max over its peers)
+          "world_round": 1,                # last world round adopted in the region (-1: none)
+          "peers_online": 2,               # peers whose record is live and not finished
+          "tokens": 76800,                 # tokens trained by the region's listed peers
+          "tokens_per_s": 812.5,           # sum over its online peers
+          "train_loss": 2.41,              # mean over its listed peers
+          "loss_trend": [3.1, 2.8, 2.6],   # mean train loss of each span of inner_steps steps
+          "epsilon": 3.2 | null,           # largest DP epsilon spent by a peer (null: DP off)
+          "peers": [                       # sorted by label
+            {"peer_id": "...", "short_id": "…a1b2c3", "label": "eu-de", "region": "eu",
+             "step": 60, "tokens": 38400, "train_loss": 2.4, "tokens_per_s": 410.2,
+             "rounds_completed": 4, "round": 4, "world_round": 1, "leader": true,
+             "seconds_since_heard": 1.3, "finished": false, "status": "training",
+             "epsilon": null, "bytes_sent": 123456, "bytes_received": 120000,
+             "last_group_size": 2, "loss_trend": [3.1, 2.8, 2.6]}
+          ]
+        }
+      },
+      "totals": {"regions": 2, "peers": 4, "peers_online": 4, "tokens": 153600,
+                 "tokens_per_s": 1625.0, "bytes_sent": 493824}
+    }
+
+A peer that dies disappears once its progress record expires (the peer's ``progress_ttl``,
+15 s by default); a peer that finished cleanly stays listed as ``finished`` until then.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+from hivemind.utils.timed_storage import get_dht_time
+
+from worldlm_p2p.config import NetConfig, RunManifest
+from worldlm_p2p.errors import ManifestError
+from worldlm_p2p.net import records
+from worldlm_p2p.net.leader import elect
+from worldlm_p2p.net.records import LeaseRecord, ProgressRecord
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_snapshot", "short_id", "SwarmMonitor"]
+
+
+def short_id(peer_id: str, n: int = 6) -> str:
+    """The last ``n`` characters of a peer id (its first ones are a common multihash prefix)."""
+    return peer_id if len(peer_id) <= n else "…" + peer_id[-n:]
+
+
+def _status(r: ProgressRecord) -> str:
+    if r.finished:
+        return "finished"
+    if r.waiting_for_round >= 0:
+        return f"waiting for round {r.waiting_for_round}"
+    return "training"
+
+
+def _mean_trend(trends: Sequence[Sequence[float]]) -> list[float]:
+    """Element-wise mean of trends aligned at their ends (the newest points line up)."""
+    length = max((len(t) for t in trends), default=0)
+    out = []
+    for i in range(length, 0, -1):
+        vals = [t[-i] for t in trends if len(t) >= i]
+        out.append(sum(vals) / len(vals))
+    return out
+
+
+def build_snapshot(progress: Sequence[ProgressRecord], leases: Sequence[LeaseRecord], *, run_id: str,
+                   now: float, dht_now: float, manifest: RunManifest | None = None) -> dict[str, Any]:
+    """One snapshot of the run (the schema in this module's docstring). Pure.
+
+    ``now``: wall-clock time (progress records carry their publisher's ``time.time()``);
+    ``dht_now``: DHT time, against which lease expiry is checked. With a ``manifest``, records of
+    another manifest (a stale run under the same id) are left out.
+    """
+    fingerprint = manifest.fingerprint() if manifest is not None else None
+    if fingerprint is not None:
+        progress = [r for r in progress if r.fingerprint == fingerprint]
+    latest: dict[str, ProgressRecord] = {}
+    for r in progress:  # one entry per peer: its newest record
+        if r.peer_id not in latest or r.time > latest[r.peer_id].time:
+            latest[r.peer_id] = r
+    regions: dict[str, dict[str, Any]] = {}
+    for region in sorted({r.region for r in latest.values()}):
+        members = sorted((r for r in latest.values() if r.region == region), key=lambda r: (r.label, r.peer_id))
+        lease = elect(leases, region=region, now=dht_now, fingerprint=fingerprint)
+        leader = lease.peer_id if lease is not None else None
+        peers = []
+        for r in members:
+            peers.append(dict(
+                peer_id=r.peer_id, short_id=short_id(r.peer_id), label=r.label, region=r.region, step=r.step,
+                tokens=r.tokens, train_loss=r.train_loss, tokens_per_s=0.0 if r.finished else r.tokens_per_s,
+                rounds_completed=r.rounds_completed, round=r.round, world_round=r.world_round,
+                leader=r.peer_id == leader, seconds_since_heard=max(0.0, now - r.time), finished=r.finished,
+                status=_status(r), epsilon=r.epsilon if r.epsilon >= 0 else None, bytes_sent=r.bytes_sent,
+                bytes_received=r.bytes_received, last_group_size=r.last_group_size,
+                loss_trend=list(r.loss_trend)))
+        online = [p for p in peers if not p["finished"]]
+        eps = [p["epsilon"] for p in peers if p["epsilon"] is not None]
+        regions[region] = dict(
+            leader=leader,
+            leader_label=next((p["label"] for p in peers if p["peer_id"] == leader), None),
+            region_round=max(r.round for r in members),
+            world_round=max(r.world_round for r in members),
+            peers_online=len(online),
+            tokens=sum(p["tokens"] for p in peers),
+            tokens_per_s=sum(p["tokens_per_s"] for p in online),
+            train_loss=sum(p["train_loss"] for p in peers) / len(peers),
+            loss_trend=_mean_trend([p["loss_trend"] for p in peers if p["loss_trend"]]),
+            epsilon=max(eps) if eps else None,
+            peers=peers,
+        )
+    totals = dict(
+        regions=len(regions),
+        peers=sum(len(v["peers"]) for v in regions.values()),
+        peers_online=sum(v["peers_online"] for v in regions.values()),
+        tokens=sum(v["tokens"] for v in regions.values()),
+        tokens_per_s=sum(v["tokens_per_s"] for v in regions.values()),
+        bytes_sent=sum(p["bytes_sent"] for v in regions.values() for p in v["peers"]),
+    )
+    about = None
+    if manifest is not None:
+        about = dict(fingerprint=fingerprint, strategy=manifest.aggregation.strategy, model=manifest.model.preset,
+                     inner_steps=manifest.train.inner_steps)
+    return dict(run_id=run_id, time=now, manifest=about, regions=regions, totals=totals)
+
+
+class SwarmMonitor:
+    """A read-only client of a run's DHT records. Always :meth:`close` it (it runs hivemind processes).
+
+    ``run_id=None``: the run is found from the manifests that bootstrap nodes publish (an error
+    if there are several). Raises NetworkError / ManifestError with one-line messages.
+    """
+
+    def __init__(self, *, initial_peers: Sequence[str], run_id: str | None = None,
+                 manifest_wait: float = 10.0) -> None:
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        from worldlm_p2p.net.dht import start_dht
+
+        # the key only satisfies the signature validator's constructor: this node never stores a record
+        self._validators = records.make_validators(None, RSAPrivateKey())
+        self.dht = start_dht(NetConfig(initial_peers=tuple(initial_peers)), record_validators=self._validators,
+                             client_mode=True)
+        self.manifest: RunManifest | None = None
+        try:
+            self.manifest = records.fetch_run_manifest(self.dht, run_id=run_id, wait=manifest_wait if run_id is None
+                                                       else min(manifest_wait, 2.0))
+        except ManifestError:
+            if run_id is None:
+                self.close()
+                raise
+            logger.info("run %s has no manifest in the DHT; showing its records without it", run_id)
+        except BaseException:
+            self.close()
+            raise
+        self.run_id = run_id or self.manifest.run_id
+        self.dht.add_validators(records.make_validators(self.run_id, RSAPrivateKey())[2:])
+
+    def snapshot(self) -> dict[str, Any]:
+        """Read the run's records now and build a snapshot."""
+        progress = records.fetch_progress(self.dht, self.run_id)
+        leases = records.fetch_leases(self.dht, self.run_id) if progress else []
+        return build_snapshot(progress, leases, run_id=self.run_id, now=time.time(), dht_now=get_dht_time(),
+                              manifest=self.manifest)
+
+    def wait_for_peers(self, timeout: float, *, should_stop=lambda: False, poll: float = 1.0) -> dict[str, Any] | None:
+        """The first snapshot that lists at least one peer, or None after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            snap = self.snapshot()
+            if snap["totals"]["peers"]:
+                return snap
+            if should_stop() or time.monotonic() >= deadline:
+                return None
+            time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.dht.peer_id)
+
+    def close(self) -> None:
+        if self.dht is not None:
+            try:
+                self.dht.shutdown()
+            except Exception as e:  # shutting down twice, or a dead DHT process
+                logger.debug("DHT shutdown: %s", e)
+            self.dht = None
+
