@@ -8,17 +8,33 @@ import pytest
 from worldlm_p2p.cli import bootstrap as boot_cli
 from worldlm_p2p.cli import peer as peer_cli
 from worldlm_p2p.config import PeerConfig, RunManifest, load_toml, manifest_conflicts
+from worldlm_p2p.net.dht import parse_maddrs
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = str(REPO / "worldlm_p2p" / "demo_data" / "eu" / "nl_news")
 EXAMPLE = REPO / "bootstrap" / "run.example.toml"
 
 
-@pytest.mark.parametrize("profile", sorted((REPO / "peers").glob("*.toml")), ids=lambda p: p.name)
+PROFILES = sorted((REPO / "peers").rglob("*.toml"))
+
+
+def test_there_are_volunteer_and_institution_profiles_for_every_region():
+    names = {str(p.relative_to(REPO / "peers")) for p in PROFILES}
+    for region in ("eu", "na", "asia"):
+        assert f"{region}.toml" in names and f"institutions/{region}.toml" in names
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: str(p.relative_to(REPO / "peers")))
 def test_peer_profiles_validate_and_agree_with_the_example_manifest(profile):
     cfg = peer_cli.make_config(peer_cli.build_parser().parse_args(["--config", str(profile), "--data", DATA]))
     assert isinstance(cfg, PeerConfig) and cfg.region == profile.stem
     assert manifest_conflicts(RunManifest.from_toml(EXAMPLE), cfg.local_overrides) == []
+    # every address in the profile is a valid multiaddr (the bootstrap ones with their peer id)
+    parse_maddrs(cfg.net.initial_peers, what="initial_peers", require_peer_id=True)
+    parse_maddrs(cfg.net.host_maddrs, what="host_maddrs", require_peer_id=False)
+    parse_maddrs(cfg.net.announce_maddrs, what="announce_maddrs", require_peer_id=False)
+    if profile.parent.name == "institutions":
+        assert cfg.net.identity_path and cfg.checkpoint_dir and cfg.net.announce_maddrs and cfg.device == "cuda"
 
 
 def test_example_run_manifest_validates():
@@ -27,15 +43,33 @@ def test_example_run_manifest_validates():
     assert set(load_toml(EXAMPLE)) <= {"run_id", "model", "tokenizer", "train", "aggregation", "averaging"}
 
 
-def test_systemd_unit_command_line_is_accepted():
-    text = (REPO / "bootstrap" / "worldlm-bootstrap.service").read_text()
+def _exec_start(unit: Path) -> list[str]:
+    text = unit.read_text()
     start = text.index("ExecStart=") + len("ExecStart=")
     lines = []
     for line in text[start:].splitlines():
         lines.append(line.rstrip("\\").strip())
         if not line.rstrip().endswith("\\"):
             break
-    argv = shlex.split(" ".join(lines))
+    return shlex.split(" ".join(lines))
+
+
+def test_systemd_unit_command_line_is_accepted():
+    argv = _exec_start(REPO / "bootstrap" / "worldlm-bootstrap.service")
     assert argv[0].endswith("worldlm-bootstrap")
     args = boot_cli.build_parser().parse_args(argv[1:])
     assert args.identity and args.run_config and args.host_maddrs
+
+
+def test_peer_systemd_unit_command_line_is_accepted(tmp_path):
+    argv = _exec_start(REPO / "peers" / "worldlm-peer@.service")
+    assert argv[0].endswith("worldlm-peer")
+    argv = [a.replace("%i", "eu") for a in argv[1:]]
+    args = peer_cli.build_parser().parse_args(argv)
+    assert args.config == "/etc/worldlm/peer-eu.toml"
+    # with the institution profile installed where the unit expects it, the command line makes a valid peer
+    installed = tmp_path / "peer-eu.toml"
+    installed.write_text((REPO / "peers" / "institutions" / "eu.toml").read_text())
+    cfg = peer_cli.make_config(peer_cli.build_parser().parse_args(
+        [a.replace("/etc/worldlm/peer-eu.toml", str(installed)) for a in argv] + ["--data", DATA]))
+    assert cfg.region == "eu" and cfg.checkpoint_dir.startswith("/var/lib/worldlm/")
