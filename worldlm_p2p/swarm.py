@@ -166,6 +166,7 @@ class LocalSwarm:
             raise ConfigError(f"bootstrap node did not start within {self.config.startup_timeout:.0f}s: "
                               f"{(tail or ['no output'])[-1][:300]}")
         logger.info("bootstrap node at %s", " ".join(self.initial_peers))
+        logger.info("watch it from another terminal: worldlm-monitor --initial-peers %s", " ".join(self.initial_peers))
 
     def _start_peer(self, region: str, label: str, data: Path) -> PeerProcess:
         cfg = self.config
