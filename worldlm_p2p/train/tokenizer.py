@@ -6,7 +6,8 @@
   line break, tokens == bytes and bits-per-byte = loss (nats/token) / ln 2.
 - :class:`LocalHFTokenizer`: a Hugging Face tokenizer directory on local disk (never the hub).
 
-:func:`load_tokenizer` builds one from a :class:`~worldlm_p2p.config.TokenizerSpec`.
+:func:`load_tokenizer` builds one from a :class:`~worldlm_p2p.config.TokenizerSpec`;
+:func:`hf_tokenizer` gives the equivalent standard Hugging Face tokenizer (for export).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from worldlm_p2p.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Tokenizer", "ByteTokenizer", "LocalHFTokenizer", "load_tokenizer"]
+__all__ = ["Tokenizer", "ByteTokenizer", "LocalHFTokenizer", "load_tokenizer", "hf_tokenizer"]
 
 
 @runtime_checkable
@@ -114,6 +115,11 @@ class LocalHFTokenizer:
         self.pad_id: int = int(pad) if pad is not None else self.eos_id
         logger.debug("loaded tokenizer from %s (vocab %d, eos %d)", self.path, self.vocab_size, self.eos_id)
 
+    @property
+    def hf(self) -> Any:
+        """The underlying ``transformers`` tokenizer."""
+        return self._tok
+
     def __repr__(self) -> str:
         return f"LocalHFTokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
 
@@ -144,3 +150,60 @@ def load_tokenizer(spec: TokenizerSpec) -> ByteTokenizer | LocalHFTokenizer:
     if spec.kind == "local":
         return LocalHFTokenizer(path=spec.path)
     raise ConfigError(f"tokenizer.kind: {spec.kind!r} is not 'byte' or 'local'")
+
+
+#: Names of the byte tokenizer's special tokens in its Hugging Face form (ids 256, 257, 258).
+BYTE_SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map of the 256 byte values to printable unicode characters (the alphabet
+    of the ``tokenizers`` ByteLevel pre-tokenizer and decoder)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # '!'..'~', then Latin-1
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _byte_hf_tokenizer(*, model_max_length: int | None) -> Any:
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RustTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = _bytes_to_unicode()
+    # BPE without merges: every byte-level symbol is its own token, with id = the byte's value.
+    backend = RustTokenizer(models.BPE(vocab={symbols[b]: b for b in range(256)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_SPECIAL_TOKENS])
+    bos, eos, pad = BYTE_SPECIAL_TOKENS
+    ids = [backend.token_to_id(t) for t in BYTE_SPECIAL_TOKENS]
+    if ids != [ByteTokenizer.bos_id, ByteTokenizer.eos_id, ByteTokenizer.pad_id]:  # pragma: no cover - a tokenizers change
+        raise RuntimeError(f"byte tokenizer specials got ids {ids}, expected 256, 257, 258")
+    kwargs: dict[str, Any] = {}
+    if model_max_length:
+        kwargs["model_max_length"] = int(model_max_length)
+    # split_special_tokens: the text "</s>" is bytes, as for ByteTokenizer, never the EOS id
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=pad,
+                                   split_special_tokens=True, clean_up_tokenization_spaces=False, **kwargs)
+
+
+def hf_tokenizer(tok: ByteTokenizer | LocalHFTokenizer, *, model_max_length: int | None = None) -> Any:
+    """A standard ``transformers`` fast tokenizer equivalent to ``tok``, for ``save_pretrained``.
+
+    For :class:`LocalHFTokenizer`, its own Hugging Face tokenizer. For :class:`ByteTokenizer`, a
+    byte-level BPE without merges built with ``tokenizers``: ids 0..255 are the UTF-8 bytes, then
+    ``<s>`` (256), ``</s>`` (257) and ``<pad>`` (258); no normalizer, no prefix space, no
+    post-processor, so ``encode(text, add_special_tokens=False) == ByteTokenizer().encode(text)``
+    and decoding with ``skip_special_tokens=True`` equals :meth:`ByteTokenizer.decode`.
+    ``model_max_length`` is recorded for the byte tokenizer only.
+    """
+    if isinstance(tok, LocalHFTokenizer):
+        return tok.hf
+    if isinstance(tok, ByteTokenizer):
+        return _byte_hf_tokenizer(model_max_length=model_max_length)
+    raise TypeError(f"hf_tokenizer: unsupported tokenizer {tok!r}")
