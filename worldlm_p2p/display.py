@@ -109,17 +109,20 @@ def monitor_view(snapshot: Mapping[str, Any]) -> RenderableType:
         dp = any(p["epsilon"] is not None for p in reg["peers"])
         table = Table(title=head, title_justify="left", expand=False)
         cols = [("id", "left"), ("peer", "left"), ("step", "right"), ("tokens", "right"), ("loss", "right"),
-                ("trend", "left"), ("tok/s", "right"), ("rounds", "right"), ("world", "right"), ("heard", "right")]
+                ("trend", "left"), ("tok/s", "right"), ("rounds", "right"), ("world", "right"), ("heard", "right")]  # heard: seconds since the peer's last record
         if dp:
             cols.append(("ε", "right"))
         cols.append(("status", "left"))
         for name, just in cols:
-            table.add_column(name, justify=just)  # type: ignore[arg-type]
+            # long labels are cut with an ellipsis rather than squeezing the numbers onto two lines
+            table.add_column(name, justify=just, no_wrap=True,  # type: ignore[arg-type]
+                             max_width=22 if name == "peer" else None, min_width=None if name == "peer" else len(name),
+                             overflow="ellipsis")
         for p in reg["peers"]:
             row = [p["short_id"], ("★ " if p["leader"] else "") + p["label"], str(p["step"]), f"{p['tokens']:,}",
                    f"{p['train_loss']:.3f}", sparkline(p["loss_trend"][-8:]), f"{p['tokens_per_s']:,.0f}",
                    str(p["rounds_completed"]), str(p["world_round"]) if p["world_round"] >= 0 else "-",
-                   f"{p['seconds_since_heard']:.0f}s ago"]
+                   f"{p['seconds_since_heard']:.0f}s"]
             if dp:
                 row.append(f"{p['epsilon']:.2f}" if p["epsilon"] is not None else "-")
             row.append(p["status"])

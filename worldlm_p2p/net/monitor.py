@@ -26,7 +26,8 @@ plain JSON-able dict; this is the schema ``worldlm-monitor --once --json`` print
             {"peer_id": "...", "short_id": "…a1b2c3", "label": "eu-de", "region": "eu",
              "step": 60, "tokens": 38400, "train_loss": 2.4, "tokens_per_s": 410.2,
              "rounds_completed": 4, "round": 4, "world_round": 1, "leader": true,
-             "seconds_since_heard": 1.3, "finished": false, "status": "training",
+             "seconds_since_heard": 1.3, "finished": false,
+             "status": "training",         # or "round N" (in region round N), or "finished"
              "epsilon": null, "bytes_sent": 123456, "bytes_received": 120000,
              "last_group_size": 2, "loss_trend": [3.1, 2.8, 2.6]}
           ]
@@ -68,7 +69,7 @@ def _status(r: ProgressRecord) -> str:
     if r.finished:
         return "finished"
     if r.waiting_for_round >= 0:
-        return f"waiting for round {r.waiting_for_round}"
+        return f"round {r.waiting_for_round}"  # at the region's barrier or in its all-reduce
     return "training"
 
 
