@@ -112,6 +112,11 @@ def test_cli_results_json(corpus, tmp_path):
     assert [h["round"] for h in res["history"]] == [1, 2]
     assert res["history"][-1]["peers"] == res["peers"]
     assert all(p["tokens"] == H * B * T for p in res["history"][0]["peers"].values())
+    # the report beside the results: loss against tokens per region, and its Markdown summary
+    assert (out.parent / "results.report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = (out.parent / "results.report.md").read_text()
+    assert "![loss against tokens](results.report.png)" in summary
+    assert all(f"| {region} | 2 |" in summary for region in LAYOUT)
 
 
 # ------------------------------------------------------------------------------ determinism

@@ -63,5 +63,9 @@ def test_swarm_runs_a_small_world_writes_summary_and_stops_on_ctrl_c(tmp_path):
     assert na[0]["rounds_completed"] == 0 and na[0]["group_sizes"] == []
     assert (out / "logs" / "bootstrap.log").exists() and (out / "run.toml").exists()
     assert list((out / "checkpoints").glob("*/ckpt-*.pt")), "final checkpoints were written"
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (out / "report.md").read_text()
+    assert "![loss against tokens](report.png)" in report
+    assert "| eu | 2 |" in report and "| na | 1 |" in report, report
     time.sleep(1)
     assert not subprocess.run(["pgrep", "-f", str(out)], capture_output=True).stdout, "processes left behind"

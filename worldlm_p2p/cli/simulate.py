@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from pathlib import Path
 
 from worldlm_p2p.cli.common import ArgumentParser, install_stop_handlers, run_main
 
@@ -52,6 +53,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--outer-momentum", type=float, help="Nesterov momentum (default 0.9)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    p.add_argument("--no-report", action="store_true", help="do not write <out stem>.report.png and "
+                                                             ".report.md (loss against tokens per region)")
     return p
 
 
@@ -161,9 +164,23 @@ def main(argv: list[str] | None = None) -> None:
         regions = ", ".join(f"{r} {v['perplexity']:.3f}" for r, v in results["regions"].items())
         logger.info("%s: region perplexity %s; world %.3f; %.0f s; results in %s", config.aggregation.strategy,
                     regions, results["world"]["perplexity"], results["wall_seconds"], path)
+        if not args.no_report:
+            _report(path)
         return 0
 
     run_main(PROG, body)
+
+
+def _report(results: Path) -> None:
+    """``<stem>.report.png`` and ``<stem>.report.md`` beside the results; a failure is only logged."""
+    from worldlm_p2p.errors import WorldLMError
+    from worldlm_p2p.report import report_sources
+
+    try:
+        png, md = report_sources([results], results.parent, stem=f"{results.stem}.report")
+        logger.info("report written to %s and %s", png, md)
+    except Exception as e:  # the results file is written already
+        logger.warning("no report written: %s", e if isinstance(e, WorldLMError) else f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

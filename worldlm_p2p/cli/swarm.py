@@ -34,6 +34,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--run-id", default="demo", help="run id (default demo)")
     p.add_argument("--threads-per-peer", type=int, default=1, help="torch threads per peer process (default 1)")
     p.add_argument("--no-live", action="store_true", help="plain log lines instead of the live table")
+    p.add_argument("--no-report", action="store_true",
+                   help="do not write report.png and report.md (loss against tokens per region) at the end")
     return p
 
 
@@ -117,12 +119,27 @@ def main(argv: list[str] | None = None) -> None:
             logger.info("%-28s steps %4s rounds %3s groups %s valid loss %s", p.get("label"), p.get("steps"),
                         p.get("rounds_completed"), p.get("group_sizes"),
                         f"{p['valid_loss']:.3f}" if isinstance(p.get("valid_loss"), float) else "-")
+        if not args.no_report:
+            write_report_best_effort(out)
         if failed:
             logger.error("%d peer(s) failed; see their logs in %s", len(failed), out / "logs")
             return 1
         return 0
 
     run_main(PROG, body)
+
+
+def write_report_best_effort(out: Path) -> None:
+    """``OUT/report.png`` and ``OUT/report.md`` from ``OUT/summary.json``; a failure is only logged."""
+    from worldlm_p2p.errors import WorldLMError
+
+    try:
+        from worldlm_p2p.report import report_sources
+
+        png, md = report_sources([out], out)
+        logger.info("report written to %s and %s", png, md)
+    except Exception as e:  # the run's results are in summary.json already
+        logger.warning("no report written: %s", e if isinstance(e, WorldLMError) else f"{type(e).__name__}: {e}")
 
 
 class _Watcher:
