@@ -69,3 +69,46 @@ def test_swarm_runs_a_small_world_writes_summary_and_stops_on_ctrl_c(tmp_path):
     assert "| eu | 2 |" in report and "| na | 1 |" in report, report
     time.sleep(1)
     assert not subprocess.run(["pgrep", "-f", str(out)], capture_output=True).stdout, "processes left behind"
+    _export_round_trip(out, [x["label"] for x in eu])
+
+
+def _export_round_trip(out, eu_labels):
+    """A real peer's final checkpoint, exported, loads with AutoModelForCausalLM and gives the logits of
+    the peer's own model (rebuilt here from the checkpoint, without the exporter); both eu peers export
+    the same region model (the agreed model of their last round)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from worldlm_p2p.checkpoint import load_latest_checkpoint
+    from worldlm_p2p.config import RunManifest
+    from worldlm_p2p.export import ExportConfig, export_model
+    from worldlm_p2p.train import ByteTokenizer, build_model, set_params
+
+    ckpt_dir = out / "checkpoints" / eu_labels[0]
+    r = subprocess.run([sys.executable, "-m", "worldlm_p2p.cli.export", "--checkpoint-dir", str(ckpt_dir), "--out",
+                        str(out / "export-peer"), "--which", "peer"], capture_output=True, text=True, env=env(),
+                       cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr
+    payload = load_latest_checkpoint(ckpt_dir).payload
+    manifest = RunManifest.from_dict(payload["manifest"])
+    own = build_model(manifest.model, vocab_size=259, seed=0)
+    own.load_state_dict(payload["model"])
+    own.eval()
+    text = "Les régions apprennent ensemble, jede mit ihrem eigenen Modell."
+    ids = torch.tensor([ByteTokenizer().encode(text)])
+    exported = AutoModelForCausalLM.from_pretrained(out / "export-peer")
+    assert AutoTokenizer.from_pretrained(out / "export-peer")(text, add_special_tokens=False)["input_ids"] == ids[0].tolist()
+    with torch.no_grad():
+        want, got = own(input_ids=ids).logits, exported(input_ids=ids).logits
+    assert torch.equal(want, got), float((want - got).abs().max())
+    regions = []
+    for label in eu_labels:
+        export_model(ExportConfig(checkpoint_dir=str(out / "checkpoints" / label), out=str(out / f"export-{label}")))
+        regions.append(AutoModelForCausalLM.from_pretrained(out / f"export-{label}"))
+    set_params(own, payload["anchor"])
+    with torch.no_grad():
+        region_logits = [m(input_ids=ids).logits for m in [own, *regions]]
+    assert torch.equal(region_logits[0], region_logits[1])
+    rounds = {load_latest_checkpoint(out / "checkpoints" / label).payload["stats"]["round"] for label in eu_labels}
+    if len(rounds) == 1:  # (a peer stopped by Ctrl-C in the middle of a round keeps the previous agreed model)
+        assert float((region_logits[1] - region_logits[2]).abs().max()) < 1e-3
