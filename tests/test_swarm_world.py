@@ -1,18 +1,23 @@
 """WorldLM's world rounds in a real swarm on 127.0.0.1: region leaders elected by lease, world
 rounds among leaders (backbone all-reduce, residual embeddings in the DHT, full residuals fetched
-peer to peer), members adopting the result, and a killed leader replaced by another.
+peer to peer), members adopting the result, and a killed leader replaced by another; and
+``worldlm-monitor`` watching that swarm (every peer and leader listed, the killed peer gone once its
+record expires).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from swarm_utils import (Procs, ProgressReader, log_tail, max_abs_diff, round_rule, start_bootstrap, start_peer,
-                         wait_for)
+from swarm_utils import (REPO, Procs, ProgressReader, env, log_tail, max_abs_diff, round_rule, start_bootstrap,
+                         start_peer, wait_for)
 
 pytestmark = pytest.mark.network
 
@@ -45,9 +50,19 @@ def _leaders(reader: ProgressReader) -> dict[str, set[str]]:
     return out
 
 
+def _monitor(maddrs, *args):
+    return subprocess.run([sys.executable, "-m", "worldlm_p2p.cli.monitor", "--initial-peers", *maddrs, *args],
+                          capture_output=True, text=True, env=dict(env(), COLUMNS="160"), cwd=REPO, timeout=120)
+
+
 def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
     _, maddrs = start_bootstrap(procs, tmp_path, run_id="world", inner_steps=5, averaging="leader_ttl = 10.0",
                                 aggregation="world_every = 2\nresidual_tau = 1.0")
+    # the monitor before any peer: a bounded wait, exit code 1, one line
+    r = _monitor(maddrs, "--run-id", "world", "--once", "--json", "--wait", "2")
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert r.stderr.strip().startswith("worldlm-monitor: error: no peer of run 'world' found"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
     eu = {lab: start_peer(procs, tmp_path, maddrs, region="eu", sub=sub, label=lab, max_steps=MANY)
           for lab, sub in (("eu-a", "de_news-reviews-wiki"), ("eu-b", "fr_blog-news-reviews-wiki"),
                            ("eu-c", "nl_news"))}
@@ -93,18 +108,39 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
 
         # members adopt exactly the leader's change of the region model (any eu member, any world
         # round both leaders led)
+        # (compared with the world trace of the leader the change came from: during a change of
+        # leadership two eu peers may both have led that world round)
         def adopted():
-            eu_rounds = _world_traces(tmp_path, eu_leader, leader=True)
             for member in (lab for lab in eu if lab != eu_leader):
                 for k, t in _world_traces(tmp_path, member, leader=False).items():
-                    if k in eu_rounds:
-                        return member, k, t
+                    for lab in eu:
+                        lead = _world_traces(tmp_path, lab, leader=True).get(k)
+                        if lead is not None and lead["peer_id"] == t["leader"]:
+                            return member, k, t, lead
             return None
 
-        member, k, t = wait_for(adopted, 120, "an eu member to adopt a world round of its leader")
-        lead = _world_traces(tmp_path, eu_leader, leader=True)[k]
+        member, k, t, lead = wait_for(adopted, 120, "an eu member to adopt a world round of an eu leader")
         want = [m.float() - s for m, s in zip(lead["model"], lead["snapshot"])]
-        assert max_abs_diff(t["delta"], want) < 1e-6, (member, k)
+        assert max_abs_diff(t["delta"], want) < 1e-6, (member, k, lead["label"])
+
+        # the monitor lists every peer with its region, and the leaders the peers themselves report
+        # (leases can move under load: compare with the peers' own view just before and after)
+        def monitor_agrees():
+            before = _leaders(reader)
+            r = _monitor(maddrs, "--once", "--json")  # the run id is found from the manifest
+            assert r.returncode == 0, r.stderr
+            snap = json.loads(r.stdout)
+            leaders = {reg: {v["leader_label"]} for reg, v in snap["regions"].items()}
+            return snap if leaders == before == _leaders(reader) else None
+
+        snap = wait_for(monitor_agrees, 90, "the monitor's leaders to match the peers' own view", poll=0)
+        assert snap["run_id"] == "world" and snap["manifest"]["strategy"] == "worldlm"
+        assert {reg: {p["label"] for p in v["peers"]} for reg, v in snap["regions"].items()} == \
+            {"eu": set(eu), "na": set(na)}
+        assert all(p["region"] == reg for reg, v in snap["regions"].items() for p in v["peers"])
+        assert all(sum(p["leader"] for p in v["peers"]) == 1 for v in snap["regions"].values())
+        assert snap["totals"]["peers"] == 5 and snap["totals"]["regions"] == 2
+        eu_leader = snap["regions"]["eu"]["leader_label"]  # the one to kill next
 
         # kill the eu leader: another eu peer takes the lease and leads later world rounds
         os.kill(eu[eu_leader].pid, signal.SIGKILL)
@@ -115,6 +151,15 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
         wait_for(lambda: any(k > w for k in _world_traces(tmp_path, new, leader=True)), 240,
                  f"a world round led by the new eu leader {new}")
         assert na_leader in _leaders(reader).get("na", set())
+        # the killed leader leaves the monitor once its progress record expires (15 s); the live view
+        # renders the others, with the new leader
+        wait_for(lambda: eu_leader not in reader.by_label(), 60, f"{eu_leader}'s progress record to expire")
+        r = _monitor(maddrs, "--run-id", "world", "--once")
+        assert r.returncode == 0, r.stderr
+        assert eu_leader not in r.stdout and all(lab in r.stdout for lab in labels if lab != eu_leader), r.stdout
+        assert f"leader {new} (" in r.stdout and "4 peers online in 2 regions" in r.stdout, r.stdout
+        # the monitors never joined a group: no region round ever had more members than its region's peers
+        assert all(rec.last_group_size <= {"eu": 3, "na": 2}[rec.region] for rec in reader.by_label().values())
     finally:
         reader.close()
     for lab, p in {**eu, **na}.items():

@@ -102,7 +102,8 @@ class Peer:
         self._world_lock = threading.Lock()
         self._share_lock = threading.Lock()
         # the last world change known: (world round, delta of the region model, region round to apply it at)
-        self._world_delta: tuple[int, list[torch.Tensor], int] | None = None
+        # plus the peer id it came from (this peer's own when it led that world round)
+        self._world_delta: tuple[int, list[torch.Tensor], int, str] | None = None
         self._region_tokens_since_world = 0.0
 
     # ------------------------------------------------------------------ control
@@ -212,6 +213,7 @@ class Peer:
                                         n_delta=len(delta[1]) if delta else 0,
                                         delta_world_round=delta[0] if delta else -1,
                                         delta_apply_round=delta[2] if delta else -1,
+                                        delta_source=delta[3] if delta else "",
                                         world_round=self.stats.world_round)
 
     def _maybe_resume(self) -> bool:
@@ -461,7 +463,7 @@ class Peer:
         # a whole round to see the leader's record and download the change (the barrier keeps the
         # members' round indices in step)
         with self._world_lock:
-            self._world_delta = (out.world_round, delta, self.stats.round + 1)
+            self._world_delta = (out.world_round, delta, self.stats.round + 1, self.peer_id)
         self.stats.world_rounds_led += 1
         self.stats.bytes_sent_border += out.bytes_sent
         self._share_state()
@@ -489,7 +491,7 @@ class Peer:
             known = self._download_world_change(leader) or known
         if known is None or known[0] <= s.world_round or s.round < known[2]:
             return
-        w, delta, _ = known
+        w, delta, _, source = known
         params = get_flat_params(self.model)
         set_params(self.model, [p + d for p, d in zip(params, delta)])
         self._anchor = [a + d for a, d in zip(self._anchor, delta)]
@@ -497,10 +499,10 @@ class Peer:
         self._lease.world_round = max(self._lease.world_round, w)
         self._share_state()
         self._trace(f"world-{w:05d}", dict(delta=delta, world_round=w, anchor=self._anchor, round=s.round,
-                                           leader=leader.peer_id if leader else self.peer_id))
+                                           leader=source))
         logger.info("adopted world round %d at region round %d", w, s.round)
 
-    def _download_world_change(self, leader) -> tuple[int, list[torch.Tensor], int] | None:
+    def _download_world_change(self, leader) -> tuple[int, list[torch.Tensor], int, str] | None:
         loaded = self._averager.download_state_from(leader.peer_id, timeout=self.manifest.averaging.averaging_timeout)
         if loaded is None:
             logger.warning("could not download world round %d from the leader; retrying at the next round",
@@ -515,7 +517,9 @@ class Peer:
                 and all(bool(torch.isfinite(t).all()) for t in tensors[-n:])):
             logger.warning("rejected the world change served by the leader (stale or malformed)")
             return None
-        known = (leader.world_round, [t.to(torch.float32) for t in tensors[-n:]], meta["delta_apply_round"])
+        source = meta.get("delta_source")  # the leader that computed it (who may have led before this one)
+        known = (leader.world_round, [t.to(torch.float32) for t in tensors[-n:]], meta["delta_apply_round"],
+                 source if isinstance(source, str) and source else leader.peer_id)
         with self._world_lock:
             self._world_delta = known
         return known
