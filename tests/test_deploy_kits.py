@@ -40,7 +40,7 @@ def test_peer_profiles_validate_and_agree_with_the_example_manifest(profile):
 def test_example_run_manifest_validates():
     m = RunManifest.from_toml(EXAMPLE)
     assert m.model.preset == "small"
-    assert set(load_toml(EXAMPLE)) <= {"run_id", "model", "tokenizer", "train", "aggregation", "averaging"}
+    assert set(load_toml(EXAMPLE)) <= {"run_id", "model", "tokenizer", "train", "aggregation", "averaging", "privacy"}
 
 
 def _exec_start(unit: Path) -> list[str]:

@@ -221,6 +221,102 @@ class AveragingConfig:
         _require(self.leader_ttl >= 1.0, "averaging.leader_ttl", "must be >= 1 second")
 
 
+# ----------------------------------------------------------------------------------- privacy
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and x == x and x not in (float("inf"), float("-inf"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrivacyConfig:
+    """Differential-privacy settings of a region's peers (the ``[peer.privacy]`` table of a region's
+    profile, or ``worldlm-peer``/``worldlm-simulate`` flags).
+
+    - Border (region-level) DP, enforced by the region's leader: before the region's backbone delta
+      leaves in a world round it is clipped to L2 norm ``border_clip`` and Gaussian noise of std
+      ``border_noise * border_clip`` is added (:mod:`worldlm_p2p.privacy`). ``border_clip = 0``: off.
+    - Peer (sample-level) DP-SGD with Opacus: per-window gradients clipped to ``peer_clip`` and
+      noised; ``peer_epsilon`` (a target, calibrated over the run's steps) or ``peer_noise`` (a noise
+      multiplier), not both; both 0: off.
+    """
+
+    border_noise: float = 0.0
+    border_clip: float = 0.0
+    border_delta: float = 1e-5
+    peer_epsilon: float = 0.0
+    peer_noise: float = 0.0
+    peer_clip: float = 1.0
+    peer_delta: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("border_noise", "border_clip", "peer_epsilon", "peer_noise"):
+            _require(_finite(getattr(self, name)) and getattr(self, name) >= 0, f"privacy.{name}",
+                     "must be a finite number >= 0")
+        _require(_finite(self.peer_clip) and self.peer_clip > 0, "privacy.peer_clip", "must be > 0")
+        for name in ("border_delta", "peer_delta"):
+            _require(_finite(getattr(self, name)) and 0 < getattr(self, name) < 1, f"privacy.{name}",
+                     "must be in (0, 1), e.g. 1e-5")
+        _require(not (self.border_noise > 0 and self.border_clip == 0), "privacy.border_noise",
+                 "needs privacy.border_clip > 0 (the noise is border_noise x border_clip)")
+        _require(not (self.peer_epsilon > 0 and self.peer_noise > 0), "privacy.peer_epsilon",
+                 "give a target epsilon or a noise multiplier (privacy.peer_noise), not both")
+
+    @property
+    def border(self) -> bool:
+        return self.border_clip > 0
+
+    @property
+    def peer(self) -> bool:
+        return self.peer_epsilon > 0 or self.peer_noise > 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrivacyPolicy:
+    """What every region must at least meet (the run manifest's ``[privacy]`` table; 0 = no requirement).
+
+    - ``min_border_noise``: every region adds at least this noise multiplier at its border.
+    - ``max_border_clip``: and clips its delta to at most this norm.
+    - ``max_peer_epsilon``: every peer runs DP-SGD spending at most this epsilon (a target epsilon;
+      a peer that gives a noise multiplier instead is checked once its epsilon is known).
+    - ``max_delta``: the delta of every guarantee is at most this.
+    """
+
+    min_border_noise: float = 0.0
+    max_border_clip: float = 0.0
+    max_peer_epsilon: float = 0.0
+    max_delta: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("min_border_noise", "max_border_clip", "max_peer_epsilon"):
+            _require(_finite(getattr(self, name)) and getattr(self, name) >= 0, f"privacy.{name}",
+                     "must be a finite number >= 0 (0: no requirement)")
+        _require(_finite(self.max_delta) and 0 < self.max_delta < 1, "privacy.max_delta", "must be in (0, 1)")
+
+
+def privacy_violations(policy: PrivacyPolicy, settings: PrivacyConfig) -> list[str]:
+    """Why ``settings`` (a region's privacy settings) break the run's ``policy``; empty if they meet it."""
+    out = []
+    if policy.min_border_noise > 0 and settings.border_noise < policy.min_border_noise:
+        out.append(f"the run requires border noise >= {policy.min_border_noise:g} at every region's border, "
+                   f"this peer's region has {settings.border_noise:g} (privacy.border_noise)")
+    if policy.max_border_clip > 0 and not (0 < settings.border_clip <= policy.max_border_clip):
+        out.append(f"the run requires a border clip norm <= {policy.max_border_clip:g}, this peer's region has "
+                   f"{settings.border_clip:g} (privacy.border_clip; 0 means no clipping)")
+    if settings.border and settings.border_delta > policy.max_delta:
+        out.append(f"privacy.border_delta {settings.border_delta:g} exceeds the run's max_delta {policy.max_delta:g}")
+    if policy.max_peer_epsilon > 0:
+        if not settings.peer:
+            out.append(f"the run requires DP-SGD at every peer with epsilon <= {policy.max_peer_epsilon:g}; "
+                       "set privacy.peer_epsilon (or privacy.peer_noise)")
+        elif settings.peer_epsilon > policy.max_peer_epsilon:
+            out.append(f"privacy.peer_epsilon {settings.peer_epsilon:g} exceeds the run's max_peer_epsilon "
+                       f"{policy.max_peer_epsilon:g}")
+    if settings.peer and settings.peer_delta > policy.max_delta:
+        out.append(f"privacy.peer_delta {settings.peer_delta:g} exceeds the run's max_delta {policy.max_delta:g}")
+    return out
+
+
 # ----------------------------------------------------------------------------------- manifest
 
 
@@ -230,6 +326,7 @@ _SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "aggregation": AggregationConfig,
     "averaging": AveragingConfig,
+    "privacy": PrivacyPolicy,
 }
 
 
@@ -261,6 +358,7 @@ class RunManifest:
     train: TrainConfig = field(default_factory=TrainConfig)
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    privacy: PrivacyPolicy = field(default_factory=PrivacyPolicy)
 
     def __post_init__(self) -> None:
         check_name("run id", self.run_id)
