@@ -279,3 +279,67 @@ def test_region_round_worldlm_personal_mix(scope):
             _close(SPLIT.take_backbone(o), want_b, atol=1e-6)
     # members keep different models
     assert max(float((a - b).abs().max()) for a, b in zip(SPLIT.take_key(out[0]), SPLIT.take_key(out[1]))) > 1e-3
+
+
+# ------------------------------------------------------------------------------ border DP
+
+
+def _rule_and_models(strategy="worldlm"):
+    from worldlm_p2p.config import AggregationConfig
+    from worldlm_p2p.rounds import RoundRule
+    from worldlm_p2p.split import split_parameters
+
+    names = ["emb", "layers.0.k_proj.weight", "layers.0.mlp.weight", "head"]
+    split = split_parameters(names, "*k_proj*")
+    rule = RoundRule.from_config(AggregationConfig(strategy=strategy), split, seed=0)
+    g = torch.Generator().manual_seed(0)
+    ref = [torch.randn(3, 2, generator=g) for _ in names]
+    models = {r: [t + torch.randn(t.shape, generator=g) * s for t in ref] for r, s in (("eu", 1.0), ("na", 0.01))}
+    return rule, ref, models
+
+
+def test_border_release_clips_and_noises_only_the_backbone_change():
+    from worldlm_p2p.privacy import gaussian_noise, l2_norm
+    from worldlm_p2p.rounds import border_release
+
+    rule, ref, models = _rule_and_models()
+    eu = models["eu"]
+    sent, rec = border_release(rule, eu, ref, clip=0.5, noise_multiplier=0.0, generator=torch.Generator())
+    B, K = rule.split.backbone, rule.split.key
+    change = [sent[i] - ref[i] for i in B]
+    assert l2_norm(change) == pytest.approx(0.5, rel=1e-6)  # clipped: what leaves is within C
+    full = [eu[i] - ref[i] for i in B]
+    assert rec.norm == pytest.approx(l2_norm(full)) and rec.norm > 0.5
+    scale = 0.5 / rec.norm
+    assert all(torch.allclose(c, f * scale, atol=1e-6) for c, f in zip(change, full))  # same direction
+    assert all(torch.equal(sent[i], eu[i]) for i in K)  # K leaves unchanged
+    # with noise: exactly the clipped change plus noise of std sigma*C from the generator
+    noisy, rec = border_release(rule, eu, ref, clip=0.5, noise_multiplier=2.0, generator=torch.Generator().manual_seed(3))
+    noise = gaussian_noise([eu[i] for i in B], 1.0, torch.Generator().manual_seed(3))
+    assert rec.noise_std == 1.0
+    for i, n, c in zip(B, noise, change):
+        assert torch.allclose(noisy[i], ref[i] + c + n, atol=1e-6)
+    # a small change passes unclipped
+    small, rec = border_release(rule, models["na"], ref, clip=10.0, noise_multiplier=0.0, generator=torch.Generator())
+    assert all(torch.allclose(small[i], models["na"][i], atol=1e-6) for i in range(len(ref)))
+    # hierfavg shares (and so privatises) the whole model
+    rule_h, *_ = _rule_and_models("hierfavg")
+    sent_h, _ = border_release(rule_h, eu, ref, clip=0.5, noise_multiplier=0.0, generator=torch.Generator())
+    assert l2_norm([s - r for s, r in zip(sent_h, ref)]) == pytest.approx(0.5, rel=1e-6)
+
+
+def test_world_round_averages_what_was_sent_and_keeps_each_region_k():
+    from worldlm_p2p.aggregation import weighted_mean
+    from worldlm_p2p.rounds import border_release, world_round
+
+    rule, ref, models = _rule_and_models()
+    tokens = {"eu": 3.0, "na": 1.0}
+    sent = {r: border_release(rule, models[r], ref, clip=0.1, noise_multiplier=0.5,
+                              generator=torch.Generator().manual_seed(i))[0] for i, r in enumerate(sorted(models))}
+    out = world_round(rule, models, tokens, sent=sent)
+    mean = weighted_mean([sent["eu"], sent["na"]], [3.0, 1.0])
+    for r in models:
+        for i in rule.split.backbone:
+            assert torch.allclose(out.models[r][i], mean[i], atol=1e-6)
+    plain = world_round(rule, models, tokens)
+    assert not torch.allclose(plain.models["eu"][0], out.models["eu"][0])

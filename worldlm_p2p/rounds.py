@@ -32,7 +32,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from worldlm_p2p import attention, residual
+from worldlm_p2p import attention, privacy, residual
 from worldlm_p2p.aggregation import weighted_mean
 from worldlm_p2p.outer_optim import outer_update
 from worldlm_p2p.split import ParamSplit
@@ -171,6 +171,30 @@ def world_payload(rule: RoundRule, region_params: Sequence[torch.Tensor]) -> lis
     return [p.detach().to(torch.float32) for p in region_params]
 
 
+def border_shared(rule: RoundRule) -> tuple[int, ...]:
+    """Indices of the parameters whose change a region shares at the border in a world round: the
+    backbone B (``hierfavg``: the whole model, which it averages across regions)."""
+    return tuple(range(len(rule.split.names))) if rule.strategy == "hierfavg" else rule.split.backbone
+
+
+def border_release(rule: RoundRule, region_params: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], *,
+                   clip: float, noise_multiplier: float, generator: torch.Generator
+                   ) -> tuple[list[torch.Tensor], privacy.Privatized]:
+    """What a region's leader sends in a world round under border DP, and the mechanism's record.
+
+    The change of the shared part since ``reference`` (the last world model, the same in every
+    region) is clipped to L2 norm ``clip`` and noised with std ``noise_multiplier * clip``
+    (:func:`worldlm_p2p.privacy.privatize`); the payload is ``reference + that``. The key layers
+    leave as they are (they only set the reference of the residual exchange)."""
+    shared = border_shared(rule)
+    delta = [region_params[i].detach().float() - reference[i].float() for i in shared]
+    out = privacy.privatize(delta, clip=clip, noise_multiplier=noise_multiplier, generator=generator)
+    sent = [t.detach().to(torch.float32).clone() for t in region_params]
+    for i, d in zip(shared, out.tensors):
+        sent[i] = reference[i].float() + d
+    return sent, out
+
+
 def world_backbone(rule: RoundRule, averaged: Sequence[torch.Tensor], region_params: Sequence[torch.Tensor]
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``(model with the world's B and, for hierfavg, the world's K; K_world)`` from the leaders'
@@ -219,10 +243,15 @@ class WorldRoundResult:
 
 
 def world_round(rule: RoundRule, regions: Mapping[str, Sequence[torch.Tensor]],
-                tokens: Mapping[str, float]) -> WorldRoundResult:
-    """The central reference of a world round among the leaders of ``regions``."""
+                tokens: Mapping[str, float], *, sent: Mapping[str, Sequence[torch.Tensor]] | None = None
+                ) -> WorldRoundResult:
+    """The central reference of a world round among the leaders of ``regions``. ``sent``: what a
+    region's leader put into the leaders' all-reduce when it differs from its model (border DP,
+    :func:`border_release`); each region keeps its own key layers and residual either way."""
     names = sorted(regions)
-    averaged = weighted_mean([world_payload(rule, regions[r]) for r in names], [tokens[r] for r in names])
+    sent = sent or {}
+    averaged = weighted_mean([world_payload(rule, sent.get(r, regions[r])) for r in names],
+                             [tokens[r] for r in names])
     models, ks, weights_out, fetched_out = {}, {}, {}, {}
     for r in names:
         models[r], ks[r] = world_backbone(rule, averaged, regions[r])
