@@ -343,3 +343,30 @@ def test_world_round_averages_what_was_sent_and_keeps_each_region_k():
             assert torch.allclose(out.models[r][i], mean[i], atol=1e-6)
     plain = world_round(rule, models, tokens)
     assert not torch.allclose(plain.models["eu"][0], out.models["eu"][0])
+
+
+def test_fedavg_round_with_border_dp():
+    from worldlm_p2p.config import AggregationConfig
+    from worldlm_p2p.privacy import l2_norm
+    from worldlm_p2p.rounds import RoundRule, flat_round_with_border_dp, region_round_with_anchor
+    from worldlm_p2p.split import split_parameters
+
+    split = split_parameters(["a", "k_proj", "b"], "*k_proj*")
+    rule = RoundRule.from_config(AggregationConfig(strategy="fedavg"), split, seed=0)
+    g = torch.Generator().manual_seed(1)
+    anchor = [torch.randn(2, 3, generator=g) for _ in range(3)]
+    eu = [[a + torch.randn(a.shape, generator=g) for a in anchor] for _ in range(2)]
+    na = [[a + torch.randn(a.shape, generator=g) for a in anchor]]
+    regions = {"eu": (eu, [2.0, 1.0]), "na": (na, [3.0])}
+    gens = {r: torch.Generator().manual_seed(i) for i, r in enumerate(regions)}
+    # no noise, a clip no delta reaches: the flat token-weighted round of every member
+    out, _, agreed, rec = flat_round_with_border_dp(rule, regions, anchor=anchor, momentum=None, clip=1e6,
+                                                    noise_multiplier=0.0, generators=gens)
+    want, _, want_agreed = region_round_with_anchor(rule, eu + na, [2.0, 1.0, 3.0], anchor=anchor, momentum=None)
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(agreed, want_agreed))
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(out["na"][0], want[2]))
+    # a tight clip: each region's change is cut to C before the average (by hand: weights 1/2, 1/2)
+    out, _, agreed, rec = flat_round_with_border_dp(rule, regions, anchor=anchor, momentum=None, clip=0.1,
+                                                    noise_multiplier=0.0, generators=gens)
+    assert all(r.clipped_norm == pytest.approx(0.1) for r in rec.values())
+    assert l2_norm([x - a for x, a in zip(agreed, anchor)]) <= 0.1 + 1e-6

@@ -161,6 +161,40 @@ def region_round_with_anchor(rule: RoundRule, members: Sequence[Sequence[torch.T
     return out, new_m, agreed
 
 
+def flat_round_with_border_dp(rule: RoundRule, regions: Mapping[str, tuple[Sequence[Sequence[torch.Tensor]],
+                                                                           Sequence[float]]], *,
+                              anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None,
+                              clip: float, noise_multiplier: float, generators: Mapping[str, torch.Generator]
+                              ) -> tuple[dict[str, list[list[torch.Tensor]]], list[torch.Tensor] | None,
+                                         list[torch.Tensor], dict[str, privacy.Privatized]]:
+    """A ``fedavg`` round of one world group under region-level DP (the standard-FL baseline of the
+    privacy study): each region's token-weighted mean payload leaves its border as
+    ``anchor + privatize(mean - anchor)`` and the group averages those, weighted by region tokens.
+    ``regions``: region -> (its members' models, their weights). Returns (region -> members' next
+    models, momentum, agreed model, region -> mechanism record). With ``clip`` large and no noise
+    it equals :func:`region_round_with_anchor` on all members."""
+    if rule.strategy != "fedavg":
+        raise ValueError(f"flat_round_with_border_dp is fedavg's round, not {rule.strategy}'s")
+    names = sorted(regions)
+    sent, weights, records = [], [], {}
+    for r in names:
+        members, w = regions[r]
+        mean = weighted_mean([region_payload(rule, p, anchor) for p in members], w)
+        delta = [m - a.float() for m, a in zip(mean, anchor)]
+        records[r] = privacy.privatize(delta, clip=clip, noise_multiplier=noise_multiplier, generator=generators[r])
+        sent.append([a.float() + d for a, d in zip(anchor, records[r].tensors)])
+        weights.append(float(sum(w)))
+    averaged = weighted_mean(sent, weights)
+    out: dict[str, list[list[torch.Tensor]]] = {}
+    new_m, agreed = momentum, list(anchor)
+    for r in names:
+        out[r] = []
+        for p in regions[r][0]:
+            new, agreed, new_m = region_step(rule, averaged, params=p, anchor=anchor, momentum=momentum)
+            out[r].append(new)
+    return out, new_m, agreed, records
+
+
 # ------------------------------------------------------------------------------ world rounds
 
 
