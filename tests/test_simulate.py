@@ -7,6 +7,7 @@ pieces (LocalTrainer with the peer's batch-stream seed, then :mod:`worldlm_p2p.r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -19,8 +20,10 @@ import torch
 
 from swarm_utils import DEMO, env, max_abs_diff
 from worldlm_p2p.aggregation import allreduce_traffic, round_weight
-from worldlm_p2p.config import AggregationConfig, TrainConfig, model_preset
-from worldlm_p2p.rounds import RoundRule, region_round, region_round_with_anchor, world_round
+from worldlm_p2p.config import AggregationConfig, PrivacyConfig, TrainConfig, model_preset
+from worldlm_p2p.privacy import BorderAccountant
+from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, region_round,
+                                region_round_with_anchor, world_round)
 from worldlm_p2p.simulate import SimConfig, Simulator, simulate
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.train import (ByteTokenizer, LocalTrainer, build_model, get_flat_params, load_texts,
@@ -245,13 +248,16 @@ def test_worldlm_region_round_equals_the_pure_round(corpus, personal_tau):
     assert max_abs_diff(got[("eu", LAYOUT["eu"][0])], got[("na", LAYOUT["na"][0])]) > 1e-4
 
 
-@pytest.mark.parametrize("strategy", ["worldlm", "hierfavg"])
+@pytest.mark.parametrize("strategy", ["worldlm", "hierfavg", "worldlm-border-dp"])
 def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, strategy):
     """The schedule: two region rounds (the second from the first's anchor, with the optimizer state
-    carried over), then a world round among the regions' leaders that every member adopts."""
-    config = sim_config(corpus, strategy, rounds=2, world_every=2)
+    carried over), then a world round among the regions' leaders that every member adopts. With border
+    DP, each leader sends its region's clipped and noised backbone change (rounds.border_release)."""
+    dp = PrivacyConfig(border_clip=0.05, border_noise=0.5) if strategy.endswith("-border-dp") else PrivacyConfig()
+    strategy = strategy.removesuffix("-border-dp")
+    config = dataclasses.replace(sim_config(corpus, strategy, rounds=2, world_every=2), privacy=dp)
     sim = Simulator(config)
-    sim.run()
+    results = sim.run()
     got = _sim_models(sim)
     assert [w["round"] for w in sim.world_rounds] == [2]
 
@@ -270,7 +276,19 @@ def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, st
                     for param, t in zip(p.model.parameters(), tensors):
                         param.copy_(t)
     tokens = {r: float(sum(p.tokens_since_world for p in members)) for r, members in peers.items()}
-    result = world_round(rule, anchors, tokens)
+    sent = {}
+    if dp.border:
+        for r in LAYOUT:
+            sent[r], rec = border_release(rule, anchors[r], init, clip=dp.border_clip, noise_multiplier=dp.border_noise,
+                                          generator=sim._noise(r, 2))
+            assert rec.norm > dp.border_clip  # the clip bites: what leaves has norm C (plus noise)
+            assert sim.world_rounds[0]["released"][r]["norm"] == pytest.approx(rec.norm, rel=1e-5)
+            acc = BorderAccountant(delta=dp.border_delta)
+            acc.record(dp.border_noise)
+            assert results["regions"][r]["epsilon"] == pytest.approx(acc.epsilon())
+    else:
+        assert all(v["epsilon"] is None for v in results["regions"].values())
+    result = world_round(rule, anchors, tokens, sent=sent)
     for r, members in peers.items():
         # every member rebases onto the world result: its model plus the change of the region's model
         delta = [n - a for n, a in zip(result.models[r], anchors[r])]
@@ -284,6 +302,32 @@ def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, st
         eu, na = result.models["eu"], result.models["na"]
         assert max_abs_diff(rule.split.take_backbone(eu), rule.split.take_backbone(na)) < 1e-6
         assert max_abs_diff(rule.split.take_key(eu), rule.split.take_key(na)) > 1e-5
+
+
+def test_fedavg_round_under_border_dp_equals_the_pure_function(corpus):
+    """fedavg under region-level DP: each region's mean change is clipped and noised at its border
+    every round (rounds.flat_round_with_border_dp); every region spends one release per round."""
+    dp = PrivacyConfig(border_clip=0.05, border_noise=1.0)
+    config = dataclasses.replace(sim_config(corpus, "fedavg", rounds=1), privacy=dp)
+    sim = Simulator(config)
+    results = sim.run()
+    init = get_flat_params(build_model(config.model, vocab_size=259, seed=0))
+    peers = {r: [_Rebuilt(config, corpus / r / s) for s in subs] for r, subs in LAYOUT.items()}
+    rule = _rule(config, peers["eu"][0].model)
+    weights = {r: [round_weight(p.train(H)) for p in members] for r, members in peers.items()}
+    groups = {r: ([get_flat_params(p.model) for p in members], weights[r]) for r, members in peers.items()}
+    out, _, _, recs = flat_round_with_border_dp(rule, groups, anchor=init, momentum=None, clip=dp.border_clip,
+                                                noise_multiplier=dp.border_noise,
+                                                generators={r: sim._noise(r, 1) for r in LAYOUT})
+    got = _sim_models(sim)
+    for r, members in peers.items():
+        for p, want in zip(members, out[r]):
+            assert max_abs_diff(got[(r, p.label)], want) < 1e-6, (r, p.label)
+    acc = BorderAccountant(delta=dp.border_delta)
+    acc.record(dp.border_noise)
+    assert all(v["epsilon"] == pytest.approx(acc.epsilon()) and v["border_releases"] == 1
+               for v in results["regions"].values())
+    assert all(rec.norm > dp.border_clip for rec in recs.values())
 
 
 # ------------------------------------------------------------------------------ bad input

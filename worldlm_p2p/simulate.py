@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import logging
 import math
 import time
@@ -30,15 +31,23 @@ from typing import Any, Callable
 import torch
 
 from worldlm_p2p.aggregation import allreduce_traffic, round_weight
-from worldlm_p2p.config import AggregationConfig, ModelConfig, TokenizerSpec, TrainConfig, _require
+from worldlm_p2p.config import AggregationConfig, ModelConfig, PrivacyConfig, TokenizerSpec, TrainConfig, _require
 from worldlm_p2p.errors import ConfigError, DataError
-from worldlm_p2p.rounds import RoundRule, region_round_with_anchor, world_round
+from worldlm_p2p.privacy import BorderAccountant
+from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, region_round_with_anchor,
+                               world_round)
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.train import (LocalTrainer, TokenData, bits_per_byte, build_model, get_flat_params, list_corpus,
                                load_texts, load_tokenizer, peer_data_seed, resolve_device, set_params,
                                tokenize_splits)
 
 logger = logging.getLogger(__name__)
+
+
+#: Strategies whose models cross region borders, where region-level DP applies: worldlm and hierfavg
+#: at their world rounds (the backbone; hierfavg the whole model), fedavg at every round (each
+#: region's mean change, the standard-FL baseline).
+BORDER_DP_STRATEGIES = ("worldlm", "hierfavg", "fedavg")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,9 +62,13 @@ class SimConfig:
     rounds: int = 10
     eval_rounds: tuple[int, ...] = ()  # extra evaluation points (region-round counts); the last round always
     device: str = "cpu"
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # every region's policy (one for all here)
 
     def __post_init__(self) -> None:
         _require(self.rounds >= 1, "rounds", "must be >= 1")
+        _require(not self.privacy.border or self.aggregation.strategy in BORDER_DP_STRATEGIES, "region DP",
+                 f"applies where models cross region borders: strategies {', '.join(BORDER_DP_STRATEGIES)}, "
+                 f"not {self.aggregation.strategy}")
         _require(all(1 <= r <= self.rounds for r in self.eval_rounds), "eval_rounds",
                  f"must lie in 1..{self.rounds}")
         _require(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
@@ -130,6 +143,11 @@ class Simulator:
                                         seed=peer_data_seed(t.seed, "world", "centralized"))
         self.history: list[dict[str, Any]] = []
         self.world_rounds: list[dict[str, Any]] = []
+        pv = config.privacy
+        self.border = {r: BorderAccountant(delta=pv.border_delta) for r in self.regions} if pv.border else {}
+        # the last world model (the same shared part in every region): the reference of border deltas
+        self.world_reference = get_flat_params(base)
+        self._flat_rounds = 0  # fedavg rounds run under border DP (numbers their noise draws)
 
     # ------------------------------------------------------------------ groups and leaders
     def _groups(self) -> dict[str, list[VirtualPeer]]:
@@ -146,8 +164,12 @@ class Simulator:
         for name, members in self._groups().items():
             params = [get_flat_params(p.model) for p in members]
             weights = [round_weight(p.tokens_since_round) for p in members]
-            new, momenta[name], anchors[name] = region_round_with_anchor(rule, params, weights, anchor=anchors[name],
-                                                                         momentum=momenta.get(name))
+            if rule.strategy == "fedavg" and self.border:
+                new, momenta[name], anchors[name] = self._fedavg_round_with_border_dp(
+                    members, params, weights, anchors[name], momenta.get(name))
+            else:
+                new, momenta[name], anchors[name] = region_round_with_anchor(
+                    rule, params, weights, anchor=anchors[name], momentum=momenta.get(name))
             for p, tensors in zip(members, new):
                 set_params(p.model, tensors)
                 p.tokens_since_round = 0
@@ -163,10 +185,45 @@ class Simulator:
                 p.bytes_sent_region += per_other * (same - 1)
                 p.bytes_sent_border += per_other * (n - same)
 
+    def _noise(self, region: str, index: int) -> torch.Generator:
+        """The border noise of ``region`` at round ``index``: seeded, so that a simulation repeats
+        (a real leader draws its noise from a secret seed)."""
+        seed = int.from_bytes(hashlib.sha256(f"{self.config.train.seed}/border/{region}/{index}".encode()).digest()[:8],
+                              "little") >> 1
+        return torch.Generator().manual_seed(seed)
+
+    def _fedavg_round_with_border_dp(self, members, params, weights, anchor, momentum):
+        pv = self.config.privacy
+        by_region: dict[str, tuple[list, list]] = {}
+        order: dict[str, list[int]] = {}
+        for i, p in enumerate(members):
+            by_region.setdefault(p.region, ([], []))[0].append(params[i])
+            by_region[p.region][1].append(weights[i])
+            order.setdefault(p.region, []).append(i)
+        self._flat_rounds += 1
+        out, new_m, agreed, recs = flat_round_with_border_dp(
+            self.rule, by_region, anchor=anchor, momentum=momentum, clip=pv.border_clip,
+            noise_multiplier=pv.border_noise, generators={r: self._noise(r, self._flat_rounds) for r in by_region})
+        new: list = [None] * len(members)
+        for r, idx in order.items():
+            self.border[r].record(pv.border_noise)
+            for i, model in zip(idx, out[r]):
+                new[i] = model
+        return new, new_m, agreed
+
     def _world_round(self, index: int, anchors: dict[str, list[torch.Tensor]]) -> None:
         rule = self.rule
+        pv = self.config.privacy
         tokens = {r: float(max(1, sum(p.tokens_since_world for p in self.peers if p.region == r))) for r in self.regions}
-        result = world_round(rule, {r: anchors[r] for r in self.regions}, tokens)
+        sent, released = {}, {}
+        if self.border:
+            for r in self.regions:
+                sent[r], rec = border_release(rule, anchors[r], self.world_reference, clip=pv.border_clip,
+                                              noise_multiplier=pv.border_noise, generator=self._noise(r, index))
+                self.border[r].record(pv.border_noise)
+                released[r] = dict(norm=rec.norm, clipped_norm=rec.clipped_norm, noise_std=rec.noise_std)
+        result = world_round(rule, {r: anchors[r] for r in self.regions}, tokens, sent=sent)
+        self.world_reference = [t.clone() for t in result.models[self.regions[0]]]
         model_bytes = _nbytes(anchors[self.regions[0]])
         key_bytes = _nbytes(rule.split.take_key(anchors[self.regions[0]])) if rule.split.key else 0
         for r in self.regions:
@@ -184,7 +241,8 @@ class Simulator:
             for p in members:
                 set_params(p.model, [t + d for t, d in zip(get_flat_params(p.model), delta)])
                 p.tokens_since_world = 0
-        self.world_rounds.append(dict(round=index, weights=result.weights, fetched=result.fetched))
+        self.world_rounds.append(dict(round=index, weights=result.weights, fetched=result.fetched,
+                                      **(dict(released=released) if released else {})))
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, round_index: int) -> dict[str, Any]:
@@ -203,6 +261,10 @@ class Simulator:
             vals = [v for v in peers.values() if v["region"] == r]
             regions[r] = {k: sum(v[k] for v in vals) / len(vals) for k in ("loss", "perplexity", "bits_per_byte")}
             regions[r]["peers"] = len(vals)
+            # the privacy the region spent at its border (None: no border DP)
+            regions[r]["epsilon"] = self.border[r].epsilon() if r in self.border else None
+            if r in self.border:
+                regions[r]["border_releases"] = self.border[r].releases
         world = {k: sum(v[k] for v in regions.values()) / len(regions) for k in ("loss", "perplexity", "bits_per_byte")}
         tokens = self._central_tokens if self.central is not None else sum(p.tokens for p in self.peers)
         snap = dict(round=round_index, tokens=tokens, regions=regions, world=world, peers=peers)
@@ -260,7 +322,8 @@ class Simulator:
             strategy=cfg.aggregation.strategy,
             config=dict(data=str(cfg.data), rounds=cfg.rounds, model=dataclasses.asdict(cfg.model),
                         tokenizer=dataclasses.asdict(cfg.tokenizer), train=dataclasses.asdict(cfg.train),
-                        aggregation=dataclasses.asdict(cfg.aggregation), device=str(self.device)),
+                        aggregation=dataclasses.asdict(cfg.aggregation), privacy=dataclasses.asdict(cfg.privacy),
+                        device=str(self.device)),
             parameters=sum(t.numel() for t in get_flat_params(self.peers[0].model)),
             key_layers=list(self.rule.split.key_names) if self.rule is not None and self.rule.split else [],
             regions=final["regions"], world=final["world"], peers=final["peers"], tokens=final["tokens"],

@@ -53,6 +53,16 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--outer-momentum", type=float, help="Nesterov momentum (default 0.9)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    dp = p.add_argument_group("differential privacy (the same policy for every region)")
+    dp.add_argument("--region-dp-noise", type=float, metavar="SIGMA",
+                    help="border DP: noise multiplier on a region's clipped delta (needs --region-dp-clip)")
+    dp.add_argument("--region-dp-clip", type=float, metavar="C",
+                    help="border DP: clip a region's backbone delta (fedavg: its mean change) to L2 norm C")
+    dp.add_argument("--region-dp-delta", type=float, metavar="DELTA", help="delta of the regions' epsilon (default 1e-5)")
+    dp.add_argument("--peer-dp-epsilon", type=float, metavar="E", help="DP-SGD at every peer with target epsilon E")
+    dp.add_argument("--peer-dp-noise", type=float, metavar="SIGMA", help="DP-SGD noise multiplier (instead of -epsilon)")
+    dp.add_argument("--peer-dp-clip", type=float, metavar="C", help="DP-SGD per-window clipping norm (default 1.0)")
+    dp.add_argument("--peer-dp-delta", type=float, metavar="DELTA", help="delta of the peers' epsilon (default 1e-5)")
     p.add_argument("--no-report", action="store_true", help="do not write <out stem>.report.png and "
                                                              ".report.md (loss against tokens per region)")
     return p
@@ -111,7 +121,16 @@ def make_config(args):
     if any(r < 1 or r > args.rounds for r in eval_rounds):
         raise ConfigError(f"--eval-rounds {args.eval_rounds!r}: every round must lie in 1..{args.rounds} (--rounds)")
     data = Path(args.data) if args.data else demo_data_dir()
+    privacy = {}
+    for flag, key in (("region_dp_noise", "border_noise"), ("region_dp_clip", "border_clip"),
+                      ("region_dp_delta", "border_delta"), ("peer_dp_epsilon", "peer_epsilon"),
+                      ("peer_dp_noise", "peer_noise"), ("peer_dp_clip", "peer_clip"), ("peer_dp_delta", "peer_delta")):
+        if getattr(args, flag) is not None:
+            privacy[key] = getattr(args, flag)
+    from worldlm_p2p.config import PrivacyConfig
+
     return SimConfig(
+        privacy=_build_section(PrivacyConfig, "privacy", privacy),
         data=str(data), model=model_cfg,
         tokenizer=_build_section(TokenizerSpec, "tokenizer", base.get("tokenizer", {}) or {}),
         train=_build_section(TrainConfig, "train", base.get("train", {}) or {}),
