@@ -4,13 +4,10 @@ test_swarm_world.py, on that test's swarm."""
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 from rich.console import Console
 
-from swarm_utils import REPO, env
 from worldlm_p2p.display import monitor_view, sparkline
 from worldlm_p2p.net.monitor import build_snapshot, short_id
 from worldlm_p2p.net.records import LeaseRecord, ProgressRecord
@@ -99,14 +96,16 @@ def test_monitor_view_renders_regions_leaders_totals_and_epsilon():
     assert "no peer of this run is online" in console.export_text()
 
 
-def test_monitor_bad_input_is_one_line():
+def test_monitor_bad_input_is_one_line(capsys):
+    from worldlm_p2p.cli.monitor import main
+
     for args in (["--initial-peers", "not-a-maddr", "--once"], ["--initial-peers", "/ip4/127.0.0.1/tcp/1", "--once"],
                  ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmaqJesiNcZak8Ns1727tE9RGyDzXE1w7qZxtnr2hcVipv",
                   "--run-id", "bad id!"],
                  ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmaqJesiNcZak8Ns1727tE9RGyDzXE1w7qZxtnr2hcVipv",
                   "--interval", "0"]):
-        r = subprocess.run([sys.executable, "-m", "worldlm_p2p.cli.monitor", *args], capture_output=True, text=True,
-                           env=env(), cwd=REPO, timeout=60)
-        assert r.returncode == 2, (args, r.stdout, r.stderr)
-        lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("worldlm-monitor: error:"), r.stderr
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert e.value.code == 2, args
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("worldlm-monitor: error:"), lines
