@@ -11,8 +11,11 @@ It knows nothing about peers or networking and never imports hivemind.
   :func:`eval_batches`, :func:`demo_data_dir`, :func:`list_corpus`.
 - ``trainer``: :class:`LocalTrainer` (AdamW, warmup, clipping, bf16 autocast on CUDA),
   :func:`get_flat_params` / :func:`set_params` for the averaging layer.
+- ``dp``: :class:`DPSGDConfig` (``LocalTrainer(..., dp=DPSGDConfig(...))`` runs DP-SGD with Opacus:
+  per-window clipping, Gaussian noise, Poisson sampling, an RDP accountant), :class:`DPSGD`,
+  :func:`peer_dp_config` (the config from settings where 0 means off).
 
-Importing this package is cheap: ``transformers`` and ``datasets`` are imported on first use.
+Importing this package is cheap: ``transformers``, ``datasets`` and ``opacus`` are imported on first use.
 """
 
 from worldlm_p2p.train.data import (
@@ -26,6 +29,7 @@ from worldlm_p2p.train.data import (
     sample_batch,
     tokenize_splits,
 )
+from worldlm_p2p.train.dp import DPSGD, DPSGDConfig, peer_dp_config
 from worldlm_p2p.train.model import (
     autocast_context,
     build_model,
@@ -68,4 +72,7 @@ __all__ = [
     "bits_per_byte",
     "get_flat_params",
     "set_params",
+    "DPSGDConfig",
+    "DPSGD",
+    "peer_dp_config",
 ]

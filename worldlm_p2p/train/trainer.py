@@ -2,6 +2,9 @@
 clipping, bf16 autocast on CUDA. It knows nothing about peers; the network layer reads and writes
 the parameters through :func:`get_flat_params` / :func:`set_params` to average them.
 
+With ``dp=DPSGDConfig(...)`` the trainer runs DP-SGD instead (:mod:`worldlm_p2p.train.dp`: Poisson
+batches of aligned windows, per-window clipping, Gaussian noise, an RDP accountant).
+
 The library never calls ``torch.set_num_threads``: the caller (CLI, tests) decides.
 """
 
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from worldlm_p2p.config import TrainConfig
 from worldlm_p2p.errors import CheckpointError
 from worldlm_p2p.train.data import TokenData, check_stream_length, eval_batches, sample_batch
+from worldlm_p2p.train.dp import DPSGD, DPSGDConfig
 from worldlm_p2p.train.model import autocast_context
 
 logger = logging.getLogger(__name__)
@@ -28,12 +32,13 @@ __all__ = ["StepResult", "LocalTrainer", "get_flat_params", "set_params", "bits_
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepResult:
-    """Outcome of one optimizer step. ``loss`` is the batch's mean cross-entropy (nats/token)."""
+    """Outcome of one optimizer step. ``loss`` is the batch's mean cross-entropy (nats/token); NaN
+    (with ``tokens == 0``) for an empty DP-SGD batch, whose update is noise only."""
 
     loss: float
     tokens: int
     lr: float = 0.0
-    grad_norm: float = math.nan  # before clipping; NaN when not computed
+    grad_norm: float = math.nan  # before clipping; NaN when not computed (always under DP-SGD)
     skipped: bool = False  # True when the loss was not finite and no update was made
 
 
@@ -63,7 +68,14 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
 
 
 class LocalTrainer:
-    """Runs optimizer steps of ``model`` on ``data`` (the model is moved to ``device``)."""
+    """Runs optimizer steps of ``model`` on ``data`` (the model is moved to ``device``).
+
+    ``dp``: run DP-SGD (see :mod:`worldlm_p2p.train.dp`); then :attr:`optimizer` is Opacus's
+    ``DPOptimizer`` around the AdamW, :attr:`dp` holds the mechanism (sampling rate, calibrated
+    noise multiplier, accountant) and :meth:`epsilon` reports the privacy spent. ConfigError when
+    the data has fewer than ``train.batch_size`` windows or the target epsilon cannot be reached.
+    A model can be wrapped by one DP trainer only.
+    """
 
     def __init__(
         self,
@@ -73,6 +85,7 @@ class LocalTrainer:
         data: TokenData,
         device: torch.device,
         seed: int,
+        dp: DPSGDConfig | None = None,
     ) -> None:
         check_stream_length(data.train, train.seq_len, what="training data")
         self.model = model.to(device)
@@ -88,6 +101,11 @@ class LocalTrainer:
             eps=1e-8,
         )
         self._warned_no_valid = False
+        self.dp: DPSGD | None = None
+        if dp is not None:
+            self.dp = DPSGD(config=dp, model=self.model, optimizer=self.optimizer, tokens=data.train,
+                            batch_size=train.batch_size, seq_len=train.seq_len, seed=self.seed, device=device)
+            self.optimizer = self.dp.optimizer  # a DPOptimizer: param_groups/state/state_dict are the AdamW's
 
     # -- training ------------------------------------------------------------------------------
     def _loss(self, x: torch.Tensor, y: torch.Tensor, *, reduction: str) -> torch.Tensor:
@@ -96,7 +114,10 @@ class LocalTrainer:
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction=reduction)
 
     def train_step(self, step: int) -> StepResult:
-        """One optimizer step on the batch of ``step`` (a pure function of ``(seed, step)``)."""
+        """One optimizer step on the batch of ``step`` (a pure function of ``(seed, step)``; under DP-SGD
+        the Poisson batch of :meth:`DPSGD.batch`)."""
+        if self.dp is not None:
+            return self._dp_train_step(step, self.dp)
         cfg = self.train_cfg
         x, y = sample_batch(self.data.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, step=step, seed=self.seed)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -117,6 +138,30 @@ class LocalTrainer:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
         self.optimizer.step()
         return StepResult(loss=loss_value, tokens=x.numel(), lr=lr, grad_norm=grad_norm)
+
+    def _dp_train_step(self, step: int, dp: DPSGD) -> StepResult:
+        """One DP-SGD step on the Poisson batch of ``step``; every call is one accountant step."""
+        x, y = dp.batch(step)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        lr = lr_at(step, self.train_cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        loss_value = dp.privatize(x, y, step=step, loss_fn=lambda a, b: self._loss(a, b, reduction="mean"))
+        # Counted even when the update is skipped below: that can only overstate epsilon. (A skip is a
+        # visible, data-dependent event outside the accounting; it takes a diverged model.)
+        dp.account()
+        if x.size(0) > 0 and not math.isfinite(loss_value):
+            logger.warning("step %d: loss is %s; skipping the update", step, loss_value)
+            return StepResult(loss=loss_value, tokens=x.numel(), lr=lr, skipped=True)
+        dp.optimizer.original_optimizer.step()
+        dp.clear()  # per-sample grads are [B', *shape] per parameter: free them now
+        return StepResult(loss=loss_value, tokens=x.numel(), lr=lr)
+
+    def epsilon(self) -> float | None:
+        """Privacy spent so far under DP-SGD: epsilon at ``dp.delta`` (0.0 before the first step,
+        inf with a zero noise multiplier); None when the trainer does not run DP-SGD."""
+        return None if self.dp is None else self.dp.epsilon()
 
     # -- evaluation ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -147,8 +192,12 @@ class LocalTrainer:
         """A snapshot of the optimizer state as CPU copies (model parameters are saved by the caller).
 
         ``torch.optim.Optimizer.state_dict`` returns live references that later steps mutate; this
-        returns copies, so the snapshot stays valid while training continues."""
-        return {"optimizer": _cpu_copy(self.optimizer.state_dict())}
+        returns copies, so the snapshot stays valid while training continues. Under DP-SGD it also
+        holds the privacy accountant (key ``"dp"``), so a resumed trainer keeps counting."""
+        state: dict[str, Any] = {"optimizer": _cpu_copy(self.optimizer.state_dict())}
+        if self.dp is not None:
+            state["dp"] = self.dp.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (copied: ``state`` is not aliased). A state of
@@ -158,6 +207,14 @@ class LocalTrainer:
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             reason = " ".join(str(e).split()) or type(e).__name__
             raise CheckpointError(f"optimizer state does not fit this model: {reason}") from None
+        if self.dp is not None:
+            if state.get("dp") is not None:
+                self.dp.load_state_dict(state["dp"])
+            else:
+                logger.warning("resuming DP-SGD from a state without a privacy accountant: the steps before "
+                               "it were not private and are not counted")
+        elif state.get("dp") is not None:
+            logger.warning("the resumed state was trained with DP-SGD; this trainer continues without it")
 
 
 def _cpu_copy(obj: Any) -> Any:
