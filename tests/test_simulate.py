@@ -330,6 +330,26 @@ def test_fedavg_round_under_border_dp_equals_the_pure_function(corpus):
     assert all(rec.norm > dp.border_clip for rec in recs.values())
 
 
+def test_peer_dp_sgd_reports_each_peers_epsilon(corpus):
+    """DP-SGD at every peer: each peer's epsilon in the results is its own accountant's (Opacus RDP,
+    its Poisson sampling rate and noise multiplier, one entry per local step); the region's
+    peer_epsilon is the largest of its peers'."""
+    from opacus.accountants import RDPAccountant
+
+    dp = PrivacyConfig(peer_noise=1.0, peer_clip=1.0)
+    config = dataclasses.replace(sim_config(corpus, "worldlm", rounds=1), privacy=dp)
+    sim = Simulator(config)
+    results = sim.run()
+    for p in sim.peers:
+        ref = RDPAccountant()
+        ref.history = [(1.0, p.trainer.dp.sample_rate, H)]
+        want = ref.get_privacy_spent(delta=dp.peer_delta)[0]
+        assert results["peers"][p.key]["epsilon"] == pytest.approx(want, rel=1e-6)
+    for r, v in results["regions"].items():
+        assert v["peer_epsilon"] == max(results["peers"][f"{r}/{s}"]["epsilon"] for s in LAYOUT[r])
+        assert v["epsilon"] is None  # no border DP
+
+
 # ------------------------------------------------------------------------------ bad input
 
 # Runs the CLI's main() once per case in a forked child of one Python process (stderr -> a file, stdout

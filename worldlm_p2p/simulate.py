@@ -37,6 +37,7 @@ from worldlm_p2p.privacy import BorderAccountant
 from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, region_round_with_anchor,
                                world_round)
 from worldlm_p2p.split import split_parameters
+from worldlm_p2p.train.dp import peer_dp_config
 from worldlm_p2p.train import (LocalTrainer, TokenData, bits_per_byte, build_model, get_flat_params, list_corpus,
                                load_texts, load_tokenizer, peer_data_seed, resolve_device, set_params,
                                tokenize_splits)
@@ -124,7 +125,8 @@ class Simulator:
                                     f"{t.seq_len + 1}")
                 model = copy.deepcopy(base)
                 trainer = LocalTrainer(model=model, train=t, data=data, device=self.device,
-                                       seed=peer_data_seed(t.seed, region, sub.name))
+                                       seed=peer_data_seed(t.seed, region, sub.name),
+                                       dp=self._dp_sgd(steps=config.rounds * t.inner_steps))
                 self.peers.append(VirtualPeer(region=region, label=sub.name, data=data, model=model, trainer=trainer))
         self.regions = sorted({p.region for p in self.peers})
         agg = config.aggregation
@@ -140,7 +142,8 @@ class Simulator:
                                valid_bytes=self.peers[0].data.valid_bytes)
             self.central_model = copy.deepcopy(base)
             self.central = LocalTrainer(model=self.central_model, train=t, data=pooled, device=self.device,
-                                        seed=peer_data_seed(t.seed, "world", "centralized"))
+                                        seed=peer_data_seed(t.seed, "world", "centralized"),
+                                        dp=self._dp_sgd(steps=config.rounds * t.inner_steps * len(self.peers)))
         self.history: list[dict[str, Any]] = []
         self.world_rounds: list[dict[str, Any]] = []
         pv = config.privacy
@@ -148,6 +151,12 @@ class Simulator:
         # the last world model (the same shared part in every region): the reference of border deltas
         self.world_reference = get_flat_params(base)
         self._flat_rounds = 0  # fedavg rounds run under border DP (numbers their noise draws)
+
+    def _dp_sgd(self, *, steps: int):
+        """Every peer's DP-SGD settings (None: off); the target epsilon is calibrated over the run's steps."""
+        pv = self.config.privacy
+        return peer_dp_config(epsilon=pv.peer_epsilon, noise=pv.peer_noise, clip=pv.peer_clip, delta=pv.peer_delta,
+                              steps=steps)
 
     # ------------------------------------------------------------------ groups and leaders
     def _groups(self) -> dict[str, list[VirtualPeer]]:
@@ -251,7 +260,8 @@ class Simulator:
             if self.central is not None:
                 set_params(p.model, get_flat_params(self.central_model))
             loss = p.trainer.evaluate()
-            peers[p.key] = dict(region=p.region, loss=loss, perplexity=math.exp(loss),
+            trainer = self.central if self.central is not None else p.trainer
+            peers[p.key] = dict(region=p.region, loss=loss, perplexity=math.exp(loss), epsilon=trainer.epsilon(),
                                 bits_per_byte=bits_per_byte(loss, bytes_per_token=p.data.valid_bytes_per_token),
                                 tokens=self._central_tokens if self.central is not None else p.tokens,
                                 bytes_sent_region=p.bytes_sent_region,
@@ -263,6 +273,9 @@ class Simulator:
             regions[r]["peers"] = len(vals)
             # the privacy the region spent at its border (None: no border DP)
             regions[r]["epsilon"] = self.border[r].epsilon() if r in self.border else None
+            # the largest DP-SGD epsilon among its peers (None: no DP-SGD)
+            eps = [v["epsilon"] for v in vals if v["epsilon"] is not None]
+            regions[r]["peer_epsilon"] = max(eps) if eps else None
             if r in self.border:
                 regions[r]["border_releases"] = self.border[r].releases
         world = {k: sum(v[k] for v in regions.values()) / len(regions) for k in ("loss", "perplexity", "bits_per_byte")}
