@@ -91,6 +91,28 @@ def test_peer_refuses_settings_that_contradict_the_manifest(boot, tmp_path):
 
 
 @pytest.mark.network
+def test_peer_privacy_settings_against_the_run_policy(tmp_path):
+    """A run whose manifest requires DP-SGD at epsilon <= 8: a peer without it, or whose noise would
+    spend more over its steps, refuses to start and says why; border DP is refused as not built."""
+    procs = Procs()
+    try:
+        (tmp_path / "b").mkdir()
+        _, maddrs = start_bootstrap(procs, tmp_path / "b", run_id="dp", inner_steps=5,
+                                   averaging="[privacy]\nmax_peer_epsilon = 8.0")
+        base = PEER + ["--region", "eu", "--data", DATA, "--initial-peers", *maddrs]
+        code, _, err = run(base + ["--max-steps", "10"])
+        assert_one_line_error(code, err, "privacy settings break the run's policy", "DP-SGD", "epsilon <= 8")
+        code, _, err = run(base + ["--peer-dp-noise", "0.3", "--max-steps", "100000"])
+        assert_one_line_error(code, err, "privacy.peer_noise 0.3 would spend epsilon", "max_peer_epsilon 8")
+        code, _, err = run(base + ["--peer-dp-epsilon", "8"])
+        assert_one_line_error(code, err, "needs --max-steps")
+        code, _, err = run(base + ["--peer-dp-epsilon", "4", "--max-steps", "10", "--region-dp-clip", "1"])
+        assert_one_line_error(code, err, "not built into the swarm yet")
+    finally:
+        procs.close()
+
+
+@pytest.mark.network
 def test_peer_unknown_run_id(boot):
     code, _, err = run(PEER + ["--region", "eu", "--data", DATA, "--initial-peers", *boot, "--run-id", "other",
                                "--manifest-wait", "2"])

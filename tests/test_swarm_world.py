@@ -66,8 +66,9 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
     eu = {lab: start_peer(procs, tmp_path, maddrs, region="eu", sub=sub, label=lab, max_steps=MANY)
           for lab, sub in (("eu-a", "de_news-reviews-wiki"), ("eu-b", "fr_blog-news-reviews-wiki"),
                            ("eu-c", "nl_news"))}
-    na = {lab: start_peer(procs, tmp_path, maddrs, region="na", sub=sub, label=lab, max_steps=MANY)
-          for lab, sub in (("na-a", "en_email"), ("na-b", "en_reviews"))}
+    # na-b trains with DP-SGD (Opacus): the monitor shows the epsilon it spends
+    na = {lab: start_peer(procs, tmp_path, maddrs, region="na", sub=sub, label=lab, max_steps=MANY, extra=extra)
+          for lab, sub, extra in (("na-a", "en_email", []), ("na-b", "en_reviews", ["--peer-dp-noise", "1.0"]))}
     labels = {**{k: "eu" for k in eu}, **{k: "na" for k in na}}
     reader = ProgressReader(maddrs, "world")
     try:
@@ -140,6 +141,9 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
         assert all(p["region"] == reg for reg, v in snap["regions"].items() for p in v["peers"])
         assert all(sum(p["leader"] for p in v["peers"]) == 1 for v in snap["regions"].values())
         assert snap["totals"]["peers"] == 5 and snap["totals"]["regions"] == 2
+        eps = {p["label"]: p["epsilon"] for v in snap["regions"].values() for p in v["peers"]}
+        assert eps["na-b"] > 0 and all(e is None for lab, e in eps.items() if lab != "na-b"), eps
+        assert snap["regions"]["na"]["epsilon"] == eps["na-b"] and snap["regions"]["eu"]["epsilon"] is None
         eu_leader = snap["regions"]["eu"]["leader_label"]  # the one to kill next
 
         # kill the eu leader: another eu peer takes the lease and leads later world rounds
@@ -158,6 +162,7 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
         assert r.returncode == 0, r.stderr
         assert eu_leader not in r.stdout and all(lab in r.stdout for lab in labels if lab != eu_leader), r.stdout
         assert f"leader {new} (" in r.stdout and "4 peers online in 2 regions" in r.stdout, r.stdout
+        assert "ε" in r.stdout, r.stdout  # the DP-SGD peer's privacy budget has a column
         # the monitors never joined a group: no region round ever had more members than its region's peers
         assert all(rec.last_group_size <= {"eu": 3, "na": 2}[rec.region] for rec in reader.by_label().values())
     finally:

@@ -31,7 +31,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from worldlm_p2p import aggregation, rounds
 from worldlm_p2p.checkpoint import load_latest_checkpoint, save_checkpoint
-from worldlm_p2p.config import PeerConfig, RunManifest, manifest_conflicts
+from worldlm_p2p.config import PeerConfig, RunManifest, manifest_conflicts, privacy_violations
 from worldlm_p2p.errors import CheckpointError, ConfigError, DataError, ManifestError
 from worldlm_p2p.net import barrier, records
 from worldlm_p2p.net.records import fetch_run_manifest
@@ -39,6 +39,7 @@ from worldlm_p2p.net.averaging import RegionAverager
 from worldlm_p2p.net.dht import ensure_identity, start_dht
 from worldlm_p2p.net.leader import LeaderLease, elect
 from worldlm_p2p.split import split_parameters
+from worldlm_p2p.train.dp import peer_dp_config
 from worldlm_p2p.train import (LocalTrainer, build_model, get_flat_params, load_texts, load_tokenizer,
                                peer_data_seed, resolve_device, set_params, tokenize_splits)
 
@@ -135,6 +136,7 @@ class Peer:
         if conflicts:
             more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
             raise ManifestError(f"local setting contradicts the run manifest: {conflicts[0]}{more}")
+        self._check_privacy()
         run_validators = records.make_validators(self.manifest.run_id, key)
         self._dht.add_validators(run_validators[2:])
         logger.info("joined run %s (manifest %s) as %s in region %s", self.manifest.run_id,
@@ -148,8 +150,12 @@ class Peer:
         self.device = resolve_device(cfg.device)
         self.model = build_model(m.model, vocab_size=self.tokenizer.vocab_size, seed=m.train.seed).to(self.device)
         data_seed = peer_data_seed(m.train.seed, cfg.region, self.label)
+        pv = cfg.privacy
+        dp = peer_dp_config(epsilon=pv.peer_epsilon, noise=pv.peer_noise, clip=pv.peer_clip, delta=pv.peer_delta,
+                            steps=cfg.max_steps, secure_rng=True)
         self.trainer = LocalTrainer(model=self.model, train=m.train, data=self.data, device=self.device,
-                                    seed=data_seed)
+                                    seed=data_seed, dp=dp)
+        self._check_projected_epsilon()
         self._anchor = [p.detach().to("cpu", copy=True) for p in get_flat_params(self.model)]
         names = [n for n, _ in self.model.named_parameters()]
         try:
@@ -179,6 +185,32 @@ class Peer:
         self._publish_progress()
         self._publisher = threading.Thread(target=self._publish_loop, name="progress", daemon=True)
         self._publisher.start()
+
+    def _check_privacy(self) -> None:
+        """Refuse to start when this region's privacy settings break the run's policy (the manifest's
+        ``[privacy]`` minimums), with the reason."""
+        pv, m = self.config.privacy, self.manifest
+        violations = privacy_violations(m.privacy, pv)
+        if violations:
+            more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
+            raise ConfigError(f"this region's privacy settings break the run's policy: {violations[0]}{more}")
+        if pv.border:
+            raise ConfigError("privacy.border_clip: DP at the region border is not built into the swarm yet "
+                              "(worldlm-simulate --region-dp-clip has it); run without it")
+        if pv.peer_epsilon > 0 and self.config.max_steps is None:
+            raise ConfigError("privacy.peer_epsilon: DP-SGD with a target epsilon needs --max-steps (the noise is "
+                              "calibrated over the run's steps), or give privacy.peer_noise instead")
+
+    def _check_projected_epsilon(self) -> None:
+        """A peer that gives a noise multiplier is checked against the run's epsilon limit once its
+        sampling rate is known (its data size): over --max-steps, or it stops when the limit is reached."""
+        limit, dp = self.manifest.privacy.max_peer_epsilon, self.trainer.dp
+        if dp is None or limit <= 0 or self.config.privacy.peer_epsilon > 0:
+            return
+        if self.config.max_steps is not None and dp.projected_epsilon(self.config.max_steps) > limit:
+            raise ConfigError(f"privacy.peer_noise {dp.noise_multiplier:g} would spend epsilon "
+                              f"{dp.projected_epsilon(self.config.max_steps):.3g} over {self.config.max_steps} steps, "
+                              f"more than the run's max_peer_epsilon {limit:g}: raise the noise or lower --max-steps")
 
     def _log_strategy(self) -> None:
         rule, m = self.rule, self.manifest
@@ -310,7 +342,13 @@ class Peer:
             bytes_received=s.bytes_received, round=s.round, waiting_for_round=s.waiting_for_round,
             fingerprint=self.manifest.fingerprint(), time=time.time(), finished=self._stop.is_set(),
             world_round=s.world_round, leader=bool(self._lease is not None and self._lease.is_leader()),
-            loss_trend=tuple(h["loss"] for h in s.history[-records.MAX_LOSS_TREND:]))
+            loss_trend=tuple(h["loss"] for h in s.history[-records.MAX_LOSS_TREND:]),
+            epsilon=self._epsilon())
+
+    def _epsilon(self) -> float:
+        """The DP-SGD epsilon this peer has spent (-1: DP-SGD is off)."""
+        eps = self.trainer.epsilon() if getattr(self, "trainer", None) is not None else None
+        return -1.0 if eps is None else float(eps)
 
     def _publish_progress(self) -> None:
         try:
@@ -583,10 +621,10 @@ class Peer:
             s.step += 1
             s.tokens += result.tokens
             s.tokens_since_round += result.tokens
-            s.last_train_loss = result.loss
-            if s.first_train_loss is None:
-                s.first_train_loss = result.loss
-            if math.isfinite(result.loss):
+            if math.isfinite(result.loss):  # (a DP-SGD step on an empty Poisson batch has no loss)
+                s.last_train_loss = result.loss
+                if s.first_train_loss is None:
+                    s.first_train_loss = result.loss
                 s.span_loss += result.loss
                 s.span_steps += 1
             if s.step % H == 0:
@@ -615,6 +653,7 @@ class Peer:
             bytes_sent=s.bytes_sent, bytes_received=s.bytes_received, bytes_sent_border=s.bytes_sent_border,
             world_round=s.world_round, world_rounds_led=s.world_rounds_led, world_rounds_adopted=s.world_rounds_adopted,
             history=list(s.history), inner_steps=self.manifest.train.inner_steps if self.manifest else None,
+            epsilon=self._epsilon() if self._epsilon() >= 0 else None,
             strategy=self.manifest.aggregation.strategy if self.manifest else None,
         )
         if final_eval and self.manifest is not None:
