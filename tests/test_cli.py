@@ -93,7 +93,7 @@ def test_peer_refuses_settings_that_contradict_the_manifest(boot, tmp_path):
 @pytest.mark.network
 def test_peer_privacy_settings_against_the_run_policy(tmp_path):
     """A run whose manifest requires DP-SGD at epsilon <= 8: a peer without it, or whose noise would
-    spend more over its steps, refuses to start and says why; border DP is refused as not built."""
+    spend more over its steps, refuses to start and says why."""
     procs = Procs()
     try:
         (tmp_path / "b").mkdir()
@@ -104,10 +104,6 @@ def test_peer_privacy_settings_against_the_run_policy(tmp_path):
         assert_one_line_error(code, err, "privacy settings break the run's policy", "DP-SGD", "epsilon <= 8")
         code, _, err = run(base + ["--peer-dp-noise", "0.3", "--max-steps", "100000"])
         assert_one_line_error(code, err, "privacy.peer_noise 0.3 would spend epsilon", "max_peer_epsilon 8")
-        code, _, err = run(base + ["--peer-dp-epsilon", "8"])
-        assert_one_line_error(code, err, "needs --max-steps")
-        code, _, err = run(base + ["--peer-dp-epsilon", "4", "--max-steps", "10", "--region-dp-clip", "1"])
-        assert_one_line_error(code, err, "not built into the swarm yet")
     finally:
         procs.close()
 

@@ -88,3 +88,16 @@ def test_the_privacy_block_of_a_profile_parses_when_uncommented(tmp_path):
     cfg = peer_cli.make_config(peer_cli.build_parser().parse_args(
         ["--config", str(profile), "--data", DATA, "--peer-dp-noise", "2.0"]))
     assert cfg.privacy.peer_noise == 2.0
+
+
+def test_peer_privacy_flags_that_cannot_work_fail_before_the_network():
+    from worldlm_p2p.errors import ConfigError
+
+    base = ["--region", "eu", "--data", DATA, "--initial-peers",
+            "/ip4/127.0.0.1/tcp/1/p2p/QmaqJesiNcZak8Ns1727tE9RGyDzXE1w7qZxtnr2hcVipv"]
+    for extra, needle in ((["--peer-dp-epsilon", "8"], "needs --max-steps"),
+                          (["--region-dp-clip", "1", "--region-dp-noise", "0.5"], "not built into the swarm yet"),
+                          (["--peer-dp-epsilon", "8", "--peer-dp-noise", "1", "--max-steps", "9"], "not both"),
+                          (["--region-dp-noise", "0.5"], "needs privacy.border_clip")):
+        with pytest.raises(ConfigError, match=needle):
+            peer_cli.make_config(peer_cli.build_parser().parse_args(base + extra))

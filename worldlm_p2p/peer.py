@@ -194,12 +194,6 @@ class Peer:
         if violations:
             more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
             raise ConfigError(f"this region's privacy settings break the run's policy: {violations[0]}{more}")
-        if pv.border:
-            raise ConfigError("privacy.border_clip: DP at the region border is not built into the swarm yet "
-                              "(worldlm-simulate --region-dp-clip has it); run without it")
-        if pv.peer_epsilon > 0 and self.config.max_steps is None:
-            raise ConfigError("privacy.peer_epsilon: DP-SGD with a target epsilon needs --max-steps (the noise is "
-                              "calibrated over the run's steps), or give privacy.peer_noise instead")
 
     def _check_projected_epsilon(self) -> None:
         """A peer that gives a noise multiplier is checked against the run's epsilon limit once its
