@@ -120,7 +120,8 @@ class _HashingWriter:
         self._f.flush()
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory (a rename in it is durable once this returns); a no-op where unsupported."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -159,7 +160,7 @@ def save_checkpoint(directory: str | Path, *, step: int, payload: dict[str, Any]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError):

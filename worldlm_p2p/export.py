@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from worldlm_p2p import __version__
-from worldlm_p2p.checkpoint import LoadedCheckpoint, load_latest_checkpoint, read_checkpoint
+from worldlm_p2p.checkpoint import LoadedCheckpoint, fsync_dir, load_latest_checkpoint, read_checkpoint
 from worldlm_p2p.config import RunManifest
 from worldlm_p2p.errors import CheckpointError, ConfigError
 
@@ -235,20 +235,7 @@ def _finish_tree(root: Path) -> None:
             with path.open("rb") as f:
                 os.fsync(f.fileno())
     os.chmod(root, 0o777 & ~umask)
-    _fsync_dir(root)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(root)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -283,7 +270,7 @@ def _install(tmp: Path, out: Path) -> None:
             os.replace(old, out)
             raise
         shutil.rmtree(old)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
 
 
 def _model_card(info: dict[str, Any]) -> str:
