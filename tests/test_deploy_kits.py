@@ -96,7 +96,6 @@ def test_peer_privacy_flags_that_cannot_work_fail_before_the_network():
     base = ["--region", "eu", "--data", DATA, "--initial-peers",
             "/ip4/127.0.0.1/tcp/1/p2p/QmaqJesiNcZak8Ns1727tE9RGyDzXE1w7qZxtnr2hcVipv"]
     for extra, needle in ((["--peer-dp-epsilon", "8"], "needs --max-steps"),
-                          (["--region-dp-clip", "1", "--region-dp-noise", "0.5"], "not built into the swarm yet"),
                           (["--peer-dp-epsilon", "8", "--peer-dp-noise", "1", "--max-steps", "9"], "not both"),
                           (["--region-dp-noise", "0.5"], "needs privacy.border_clip")):
         with pytest.raises(ConfigError, match=needle):

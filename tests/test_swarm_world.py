@@ -63,11 +63,15 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert r.stderr.strip().startswith("worldlm-monitor: error: no peer of run 'world' found"), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
-    eu = {lab: start_peer(procs, tmp_path, maddrs, region="eu", sub=sub, label=lab, max_steps=MANY)
+    # each region its own border-DP policy (the leader clips and noises the backbone change it sends)
+    policy = {"eu": (0.5, 0.02), "na": (1.0, 0.005)}  # (clip C, noise multiplier sigma)
+    dp = {r: ["--region-dp-clip", str(c), "--region-dp-noise", str(n)] for r, (c, n) in policy.items()}
+    eu = {lab: start_peer(procs, tmp_path, maddrs, region="eu", sub=sub, label=lab, max_steps=MANY, extra=dp["eu"])
           for lab, sub in (("eu-a", "de_news-reviews-wiki"), ("eu-b", "fr_blog-news-reviews-wiki"),
                            ("eu-c", "nl_news"))}
-    # na-b trains with DP-SGD (Opacus): the monitor shows the epsilon it spends
-    na = {lab: start_peer(procs, tmp_path, maddrs, region="na", sub=sub, label=lab, max_steps=MANY, extra=extra)
+    # na-b also trains with DP-SGD (Opacus): the monitor shows the epsilon it spends
+    na = {lab: start_peer(procs, tmp_path, maddrs, region="na", sub=sub, label=lab, max_steps=MANY,
+                          extra=dp["na"] + extra)
           for lab, sub, extra in (("na-a", "en_email", []), ("na-b", "en_reviews", ["--peer-dp-noise", "1.0"]))}
     labels = {**{k: "eu" for k in eu}, **{k: "na" for k in na}}
     reader = ProgressReader(maddrs, "world")
@@ -99,10 +103,27 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
         assert max_abs_diff(split.take_backbone(te["model"]), split.take_backbone(tn["model"])) < 1e-5
         # ... and each keeps its own key layers
         assert max_abs_diff(split.take_key(te["model"]), split.take_key(tn["model"])) > 1e-4
-        # the network result is the pure world round on the leaders' snapshots and token weights
-        from worldlm_p2p.rounds import world_round
+        # what each leader sent is its region's snapshot with the backbone change since the last world
+        # model clipped to its own policy's C and noised with sigma*C (recomputed from the noise seed
+        # its audit trace kept): the part that leaves, without the noise, has norm <= C
+        from worldlm_p2p.privacy import gaussian_noise, l2_norm
+        from worldlm_p2p.rounds import border_release, border_shared, world_round
 
-        ref = world_round(rule, {"eu": te["snapshot"], "na": tn["snapshot"]}, {"eu": te["tokens"], "na": tn["tokens"]})
+        for region, t in (("eu", te), ("na", tn)):
+            clip, sigma = policy[region]
+            assert (t["clip"], t["noise"]) == (clip, sigma)
+            want, rec = border_release(rule, t["snapshot"], t["reference"], clip=clip, noise_multiplier=sigma,
+                                       generator=torch.Generator().manual_seed(t["noise_seed"]))
+            assert max_abs_diff(t["sent"], want) == 0.0, region
+            shared = border_shared(rule)
+            noise = gaussian_noise([t["snapshot"][i] for i in shared], sigma * clip,
+                                   torch.Generator().manual_seed(t["noise_seed"]))
+            leaving = [t["sent"][i] - t["reference"][i] - n for i, n in zip(shared, noise)]
+            assert l2_norm(leaving) <= clip * (1 + 1e-4) and rec.clipped_norm <= clip, (region, l2_norm(leaving))
+            assert all(torch.equal(t["sent"][i], t["snapshot"][i].float()) for i in split.key)  # K stays home
+        # the network result is the pure world round on what the leaders sent, their snapshots and tokens
+        ref = world_round(rule, {"eu": te["snapshot"], "na": tn["snapshot"]}, {"eu": te["tokens"], "na": tn["tokens"]},
+                          sent={"eu": te["sent"], "na": tn["sent"]})
         assert max_abs_diff(te["model"], ref.models["eu"]) < 1e-4
         assert max_abs_diff(tn["model"], ref.models["na"]) < 1e-4
         assert te["fetched"] == ref.fetched["eu"] and tn["fetched"] == ref.fetched["na"]
@@ -144,6 +165,16 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
         eps = {p["label"]: p["epsilon"] for v in snap["regions"].values() for p in v["peers"]}
         assert eps["na-b"] > 0 and all(e is None for lab, e in eps.items() if lab != "na-b"), eps
         assert snap["regions"]["na"]["epsilon"] == eps["na-b"] and snap["regions"]["eu"]["epsilon"] is None
+        # each region's border epsilon: its accountant after some releases at its own sigma
+        from worldlm_p2p.privacy import BorderAccountant
+
+        for region, (_, sigma) in policy.items():
+            spent = snap["regions"][region]["border_epsilon"]
+            acc, options = BorderAccountant(delta=1e-5), []
+            for _ in range(60):
+                acc.record(sigma)
+                options.append(acc.epsilon())
+            assert any(abs(spent - o) < 1e-6 * o for o in options), (region, spent, options[:5])
         eu_leader = snap["regions"]["eu"]["leader_label"]  # the one to kill next
 
         # kill the eu leader: another eu peer takes the lease and leads later world rounds

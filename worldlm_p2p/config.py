@@ -515,9 +515,6 @@ class PeerConfig:
         _require(self.progress_interval > 0, "progress_interval", "must be > 0")
         _require(self.progress_ttl > self.progress_interval, "progress_ttl", "must exceed progress_interval")
         _require(self.torch_threads is None or self.torch_threads > 0, "torch_threads", "must be a positive integer")
-        _require(not self.privacy.border, "privacy.border_clip",
-                 "DP at the region border is not built into the swarm yet (worldlm-simulate --region-dp-clip has it); "
-                 "run without it")
         _require(not (self.privacy.peer_epsilon > 0 and self.max_steps is None), "privacy.peer_epsilon",
                  "DP-SGD with a target epsilon needs --max-steps (the noise is calibrated over the run's steps), "
                  "or give privacy.peer_noise instead")

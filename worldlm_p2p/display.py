@@ -106,6 +106,8 @@ def monitor_view(snapshot: Mapping[str, Any]) -> RenderableType:
                              f" · loss {reg['train_loss']:.3f} ", _trend(reg["loss_trend"]))
         if reg.get("epsilon") is not None:
             head.append(f" · ε {reg['epsilon']:.2f}")
+        if reg.get("border_epsilon") is not None:
+            head.append(f" · border ε {reg['border_epsilon']:.3g}")
         dp = any(p["epsilon"] is not None for p in reg["peers"])
         table = Table(title=head, title_justify="left", expand=False)
         cols = [("id", "left"), ("peer", "left"), ("step", "right"), ("tokens", "right"), ("loss", "right"),

@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from worldlm_p2p.net.records import fetch_run_manifest
 from worldlm_p2p.net.averaging import RegionAverager
 from worldlm_p2p.net.dht import ensure_identity, start_dht
 from worldlm_p2p.net.leader import LeaderLease, elect
+from worldlm_p2p.privacy import BorderAccountant
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.train.dp import peer_dp_config
 from worldlm_p2p.train import (LocalTrainer, build_model, get_flat_params, load_texts, load_tokenizer,
@@ -103,9 +105,12 @@ class Peer:
         self._world_lock = threading.Lock()
         self._share_lock = threading.Lock()
         # the last world change known: (world round, delta of the region model, region round to apply it at)
-        # plus the peer id it came from (this peer's own when it led that world round)
-        self._world_delta: tuple[int, list[torch.Tensor], int, str] | None = None
+        # plus the peer id it came from (this peer's own when it led that world round), and under border
+        # DP the world model's shared part (the reference of the region's next border delta)
+        self._world_delta: tuple[int, list[torch.Tensor], int, str, list[torch.Tensor] | None] | None = None
         self._region_tokens_since_world = 0.0
+        self._world_ref: list[torch.Tensor] | None = None  # border DP: the last world model (see _setup)
+        self._border: BorderAccountant | None = None  # border DP: the region's accountant
 
     # ------------------------------------------------------------------ control
     def stop(self) -> None:
@@ -157,6 +162,9 @@ class Peer:
                                     seed=data_seed, dp=dp)
         self._check_projected_epsilon()
         self._anchor = [p.detach().to("cpu", copy=True) for p in get_flat_params(self.model)]
+        # border DP: the region's delta is taken against the last world model (the common init before any)
+        self._world_ref: list[torch.Tensor] | None = [t.clone() for t in self._anchor]
+        self._border = BorderAccountant(delta=cfg.privacy.border_delta) if cfg.privacy.border else None
         names = [n for n, _ in self.model.named_parameters()]
         try:
             split = split_parameters(names, m.aggregation.key_layers)
@@ -181,6 +189,10 @@ class Peer:
             self._lease = LeaderLease(dht=self._dht, validators=self._validators, run_id=m.run_id, region=cfg.region,
                                       peer_id=self.peer_id, fingerprint=m.fingerprint(), ttl=m.averaging.leader_ttl,
                                       lock=self._dht_lock, world_round=self.stats.world_round)
+            if self._border is not None and self._world_ref is None:
+                # a late joiner does not know the last world model, the reference of border deltas:
+                # it may lead only after it has adopted a world round
+                self._lease.eligible = False
             self._lease.start()
         self._publish_progress()
         self._publisher = threading.Thread(target=self._publish_loop, name="progress", daemon=True)
@@ -194,6 +206,9 @@ class Peer:
         if violations:
             more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
             raise ConfigError(f"this region's privacy settings break the run's policy: {violations[0]}{more}")
+        if pv.border and m.aggregation.strategy not in ("worldlm", "hierfavg"):
+            raise ConfigError(f"privacy.border_clip: border DP is applied by region leaders at world rounds; strategy "
+                              f"{m.aggregation.strategy} has none (worldlm and hierfavg do)")
 
     def _check_projected_epsilon(self) -> None:
         """A peer that gives a noise multiplier is checked against the run's epsilon limit once its
@@ -233,13 +248,16 @@ class Peer:
         with self._world_lock:
             delta = self._world_delta
         momentum = list(self._momentum) if self._momentum is not None else []
-        tensors = list(self._anchor) + momentum + (list(delta[1]) if delta else [])
+        ref = list(delta[4]) if delta and delta[4] is not None else []
+        tensors = list(self._anchor) + momentum + (list(delta[1]) if delta else []) + ref
         self._averager.set_shared_state(round_index=self.stats.round if round_index is None else round_index,
                                         tensors=tensors, n_momentum=len(momentum),
                                         n_delta=len(delta[1]) if delta else 0,
                                         delta_world_round=delta[0] if delta else -1,
                                         delta_apply_round=delta[2] if delta else -1,
                                         delta_source=delta[3] if delta else "",
+                                        border_history=self._border.state_dict()["history"] if self._border else [],
+                                        n_ref=len(ref),
                                         world_round=self.stats.world_round)
 
     def _maybe_resume(self) -> bool:
@@ -270,6 +288,10 @@ class Peer:
                 setattr(s, k, p["stats"][k])
         s.group_sizes = list(p["stats"].get("group_sizes", []))
         s.history = [dict(h) for h in p["stats"].get("history", [])]
+        if "world_ref" in p:
+            self._world_ref = [t.to("cpu") for t in p["world_ref"]] if p["world_ref"] is not None else None
+        if self._border is not None and isinstance(p.get("border"), dict):
+            self._adopt_border_history(p["border"].get("history"))
         s.initial_step, s.initial_tokens, s.started_from = s.step, s.tokens, "checkpoint"
         logger.info("resumed from checkpoint %s at step %d (%d tokens, %d rounds)", loaded.path, s.step, s.tokens,
                     s.rounds_completed)
@@ -299,6 +321,9 @@ class Peer:
             return
         meta, tensors = loaded
         n_mom, n_delta = meta.get("n_momentum", 0), meta.get("n_delta", 0)
+        n_ref = meta.get("n_ref", 0)
+        if isinstance(n_ref, int) and 0 < n_ref <= len(tensors):  # a world reference (border DP): not needed here
+            tensors = tensors[:len(tensors) - n_ref]
         if not isinstance(n_delta, int) or n_delta not in (0, len(self._anchor)):
             n_delta = -1
         n_anchor = len(tensors) - n_mom - n_delta if isinstance(n_mom, int) and n_delta >= 0 else -1
@@ -319,6 +344,9 @@ class Peer:
         self.stats.round = int(meta.get("round", 0))
         if isinstance(meta.get("world_round"), int):
             self.stats.world_round = meta["world_round"]
+            if meta["world_round"] >= 0:
+                self._world_ref = None
+        self._adopt_border_history(meta.get("border_history"))
         self.stats.started_from = "region"
         self._trace("join", dict(meta=meta, tensors=self._anchor))
         logger.info("loaded the region model of round %d from a peer", self.stats.round)
@@ -337,7 +365,8 @@ class Peer:
             fingerprint=self.manifest.fingerprint(), time=time.time(), finished=self._stop.is_set(),
             world_round=s.world_round, leader=bool(self._lease is not None and self._lease.is_leader()),
             loss_trend=tuple(h["loss"] for h in s.history[-records.MAX_LOSS_TREND:]),
-            epsilon=self._epsilon())
+            epsilon=self._epsilon(),
+            border_epsilon=self._border.epsilon() if self._border is not None else -1.0)
 
     def _epsilon(self) -> float:
         """The DP-SGD epsilon this peer has spent (-1: DP-SGD is off)."""
@@ -473,14 +502,47 @@ class Peer:
                                         template=snapshot)
         tokens = self._region_tokens_since_world
         s.rounds_since_world, self._region_tokens_since_world = 0, 0.0
-        self._world_thread = threading.Thread(target=self._world_round, args=(last + 1, snapshot, tokens),
+        sent, released = self._border_release(snapshot)
+        self._world_thread = threading.Thread(target=self._world_round, args=(last + 1, snapshot, tokens, sent, released),
                                               name="world-round", daemon=True)
         self._world_thread.start()
 
-    def _world_round(self, w: int, snapshot: list[torch.Tensor], tokens: float) -> None:
+    def _border_release(self, snapshot: list[torch.Tensor]) -> tuple[list[torch.Tensor] | None, dict[str, Any]]:
+        """Under border DP (this region's policy), what the leader sends instead of the region's model:
+        the last world model plus the clipped, noised change of the backbone. The noise seed is drawn
+        from the OS's secure generator and never leaves this process (only the audit trace keeps it)."""
+        pv = self.config.privacy
+        if self._border is None:
+            return None, {}
+        seed = secrets.randbits(63)
+        sent, rec = rounds.border_release(self.rule, snapshot, self._world_ref, clip=pv.border_clip,
+                                          noise_multiplier=pv.border_noise,
+                                          generator=torch.Generator().manual_seed(seed))
+        self._border.record(pv.border_noise)  # counted when it is first offered to the other leaders
+        logger.info("border DP: the region's backbone change (norm %.4g) leaves clipped to %.4g with noise std %.4g; "
+                    "region epsilon now %.3g (delta %g)", rec.norm, rec.clipped_norm, rec.noise_std,
+                    self._border.epsilon(), self._border.delta)
+        return sent, dict(sent=sent, reference=self._world_ref, noise_seed=seed, clip=pv.border_clip,
+                          noise=pv.border_noise, norm=rec.norm, clipped_norm=rec.clipped_norm)
+
+    def _adopt_border_history(self, history) -> None:
+        """Members keep the region's border accountant too (the leader's, from the shared state), so
+        that it survives a change of leader."""
+        if self._border is None or not isinstance(history, list):
+            return
+        try:
+            other = BorderAccountant.from_state(dict(delta=self._border.delta, history=history))
+        except (TypeError, ValueError, KeyError):
+            logger.warning("ignored a malformed border-DP history from the region's state")
+            return
+        if other.releases > self._border.releases:
+            self._border = other
+
+    def _world_round(self, w: int, snapshot: list[torch.Tensor], tokens: float,
+                     sent: list[torch.Tensor] | None = None, released: dict[str, Any] | None = None) -> None:
         try:
             lease = self._lease
-            out = self._world.run(world_round=w, region_model=snapshot, tokens=tokens,
+            out = self._world.run(world_round=w, region_model=snapshot, tokens=tokens, sent=sent,
                                   expected_leaders=self._live_leaders,
                                   patience=WORLD_PATIENCE_ROUNDS * self.manifest.averaging.averaging_timeout,
                                   should_stop=lambda: self._stop.is_set() or not lease.is_leader())
@@ -495,7 +557,9 @@ class Peer:
         # a whole round to see the leader's record and download the change (the barrier keeps the
         # members' round indices in step)
         with self._world_lock:
-            self._world_delta = (out.world_round, delta, self.stats.round + 1, self.peer_id)
+            ref = ([out.model[i].to(torch.float32).clone() for i in rounds.border_shared(self.rule)]
+                   if self._border is not None else None)
+            self._world_delta = (out.world_round, delta, self.stats.round + 1, self.peer_id, ref)
         self.stats.world_rounds_led += 1
         self.stats.bytes_sent_border += out.bytes_sent
         self._share_state()
@@ -503,7 +567,7 @@ class Peer:
         self._lease.renew()  # tell the region now, not at the next renewal
         self._trace(f"world-{out.world_round:05d}-leader", dict(snapshot=snapshot, model=out.model,
                                                                 regions=list(out.regions), fetched=list(out.fetched),
-                                                                weights=out.weights, tokens=tokens))
+                                                                weights=out.weights, tokens=tokens, **(released or {})))
         logger.info("world round %d: with the leaders of %s in %.2fs; the region adopts it at its next round",
                     out.world_round, ", ".join(out.regions), out.seconds)
 
@@ -523,10 +587,16 @@ class Peer:
             known = self._download_world_change(leader) or known
         if known is None or known[0] <= s.world_round or s.round < known[2]:
             return
-        w, delta, _, source = known
+        w, delta, _, source, ref = known
         params = get_flat_params(self.model)
         set_params(self.model, [p + d for p, d in zip(params, delta)])
         self._anchor = [a + d for a, d in zip(self._anchor, delta)]
+        if self._border is not None and ref is not None:  # the reference of the region's next border delta
+            full = list(self._world_ref or self._anchor)
+            for i, t in zip(rounds.border_shared(self.rule), ref):
+                full[i] = t
+            self._world_ref = full
+            self._lease.eligible = True
         s.world_round, s.world_rounds_adopted = w, s.world_rounds_adopted + 1
         self._lease.world_round = max(self._lease.world_round, w)
         self._share_state()
@@ -534,7 +604,7 @@ class Peer:
                                            leader=source))
         logger.info("adopted world round %d at region round %d", w, s.round)
 
-    def _download_world_change(self, leader) -> tuple[int, list[torch.Tensor], int, str] | None:
+    def _download_world_change(self, leader) -> tuple[int, list[torch.Tensor], int, str, Any] | None:
         loaded = self._averager.download_state_from(leader.peer_id, timeout=self.manifest.averaging.averaging_timeout)
         if loaded is None:
             logger.warning("could not download world round %d from the leader; retrying at the next round",
@@ -542,6 +612,11 @@ class Peer:
             return None
         meta, tensors = loaded
         n = meta.get("n_delta", 0) if isinstance(meta, dict) else 0
+        n_ref = meta.get("n_ref", 0) if isinstance(meta, dict) else 0
+        if n_ref not in (0, len(rounds.border_shared(self.rule))) or not isinstance(n_ref, int):
+            logger.warning("rejected the world change served by the leader (malformed world reference)")
+            return None
+        ref_part, tensors = tensors[len(tensors) - n_ref:], tensors[:len(tensors) - n_ref]
         if not (isinstance(n, int) and n == len(self._anchor) and meta.get("delta_world_round") == leader.world_round
                 and isinstance(meta.get("delta_apply_round"), int)
                 and meta.get("fingerprint") == self.manifest.fingerprint()
@@ -550,8 +625,12 @@ class Peer:
             logger.warning("rejected the world change served by the leader (stale or malformed)")
             return None
         source = meta.get("delta_source")  # the leader that computed it (who may have led before this one)
+        ref = None
+        if self._border is not None and n_ref and all(bool(torch.isfinite(t).all()) for t in ref_part):
+            ref = [t.to(torch.float32) for t in ref_part]
+        self._adopt_border_history(meta.get("border_history"))
         known = (leader.world_round, [t.to(torch.float32) for t in tensors[-n:]], meta["delta_apply_round"],
-                 source if isinstance(source, str) and source else leader.peer_id)
+                 source if isinstance(source, str) and source else leader.peer_id, ref)
         with self._world_lock:
             self._world_delta = known
         return known
@@ -583,6 +662,7 @@ class Peer:
                        last_train_loss=s.last_train_loss, group_sizes=list(s.group_sizes),
                        history=list(s.history)),
             manifest=self.manifest.to_dict(), label=self.label, peer_id=self.peer_id,
+            world_ref=self._world_ref, border=self._border.state_dict() if self._border is not None else None,
         )
         path = save_checkpoint(self.config.checkpoint_dir, step=s.step, payload=payload,
                                keep=self.config.keep_checkpoints)
@@ -648,6 +728,7 @@ class Peer:
             world_round=s.world_round, world_rounds_led=s.world_rounds_led, world_rounds_adopted=s.world_rounds_adopted,
             history=list(s.history), inner_steps=self.manifest.train.inner_steps if self.manifest else None,
             epsilon=self._epsilon() if self._epsilon() >= 0 else None,
+            border_epsilon=self._border.epsilon() if self._border is not None else None,
             strategy=self.manifest.aggregation.strategy if self.manifest else None,
         )
         if final_eval and self.manifest is not None:

@@ -22,12 +22,13 @@ logger = logging.getLogger(PROG)
 EPILOG = """\
 JSON (--json): one snapshot object per line, {"run_id", "time", "manifest", "regions", "totals"};
 "regions" maps each region to {"leader", "leader_label", "region_round", "world_round",
-"peers_online", "tokens", "tokens_per_s", "train_loss", "loss_trend", "epsilon", "peers": [{"peer_id",
+"peers_online", "tokens", "tokens_per_s", "train_loss", "loss_trend", "epsilon", "border_epsilon",
+"peers": [{"peer_id",
 "short_id", "label", "region", "step", "tokens", "train_loss", "tokens_per_s", "rounds_completed",
-"round", "world_round", "leader", "seconds_since_heard", "finished", "status", "epsilon",
+"round", "world_round", "leader", "seconds_since_heard", "finished", "status", "epsilon", "border_epsilon",
 "bytes_sent", "bytes_received", "last_group_size", "loss_trend"}]}; "totals" has "regions", "peers",
 "peers_online", "tokens", "tokens_per_s", "bytes_sent". "epsilon" is null where differential
-privacy is off. Exit codes: 0 ok, 1 no peer of the run found within --wait, 2 bad input."""
+privacy is off (epsilon: DP-SGD at the peers; border_epsilon: the region's border). Exit codes: 0 ok, 1 no peer of the run found within --wait, 2 bad input."""
 
 
 def build_parser() -> ArgumentParser:

@@ -21,14 +21,15 @@ plain JSON-able dict; this is the schema ``worldlm-monitor --once --json`` print
           "tokens_per_s": 812.5,           # sum over its online peers
           "train_loss": 2.41,              # mean over its listed peers
           "loss_trend": [3.1, 2.8, 2.6],   # mean train loss of each span of inner_steps steps
-          "epsilon": 3.2 | null,           # largest DP epsilon spent by a peer (null: DP off)
+          "epsilon": 3.2 | null,           # largest DP-SGD epsilon spent by a peer (null: DP-SGD off)
+          "border_epsilon": 9.1 | null,    # what the region spent at its border (null: border DP off)
           "peers": [                       # sorted by label
             {"peer_id": "...", "short_id": "…a1b2c3", "label": "eu-de", "region": "eu",
              "step": 60, "tokens": 38400, "train_loss": 2.4, "tokens_per_s": 410.2,
              "rounds_completed": 4, "round": 4, "world_round": 1, "leader": true,
              "seconds_since_heard": 1.3, "finished": false,
              "status": "training",         # or "round N" (in region round N), or "finished"
-             "epsilon": null, "bytes_sent": 123456, "bytes_received": 120000,
+             "epsilon": null, "border_epsilon": null, "bytes_sent": 123456, "bytes_received": 120000,
              "last_group_size": 2, "loss_trend": [3.1, 2.8, 2.6]}
           ]
         }
@@ -110,11 +111,13 @@ def build_snapshot(progress: Sequence[ProgressRecord], leases: Sequence[LeaseRec
                 tokens=r.tokens, train_loss=r.train_loss, tokens_per_s=0.0 if r.finished else r.tokens_per_s,
                 rounds_completed=r.rounds_completed, round=r.round, world_round=r.world_round,
                 leader=r.peer_id == leader, seconds_since_heard=max(0.0, now - r.time), finished=r.finished,
-                status=_status(r), epsilon=r.epsilon if r.epsilon >= 0 else None, bytes_sent=r.bytes_sent,
+                status=_status(r), epsilon=r.epsilon if r.epsilon >= 0 else None,
+                border_epsilon=r.border_epsilon if r.border_epsilon >= 0 else None, bytes_sent=r.bytes_sent,
                 bytes_received=r.bytes_received, last_group_size=r.last_group_size,
                 loss_trend=list(r.loss_trend)))
         online = [p for p in peers if not p["finished"]]
         eps = [p["epsilon"] for p in peers if p["epsilon"] is not None]
+        border = [p["border_epsilon"] for p in peers if p["border_epsilon"] is not None]
         regions[region] = dict(
             leader=leader,
             leader_label=next((p["label"] for p in peers if p["peer_id"] == leader), None),
@@ -126,6 +129,7 @@ def build_snapshot(progress: Sequence[ProgressRecord], leases: Sequence[LeaseRec
             train_loss=sum(p["train_loss"] for p in peers) / len(peers),
             loss_trend=_mean_trend([p["loss_trend"] for p in peers if p["loss_trend"]]),
             epsilon=max(eps) if eps else None,
+            border_epsilon=max(border) if border else None,
             peers=peers,
         )
     totals = dict(

@@ -69,6 +69,7 @@ class _ProgressModel(pydantic.BaseModel):
     leader: pydantic.StrictBool = False
     loss_trend: pydantic.conlist(_NonNegFloat, max_items=MAX_LOSS_TREND) = []
     epsilon: pydantic.confloat(strict=True, ge=-1, allow_inf_nan=False) = -1.0
+    border_epsilon: pydantic.confloat(strict=True, ge=-1, allow_inf_nan=False) = -1.0
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -189,14 +190,16 @@ class ProgressRecord:
     # mean train loss of each of the last (at most MAX_LOSS_TREND) spans of inner_steps steps, oldest first
     loss_trend: tuple[float, ...] = ()
     epsilon: float = -1.0  # privacy budget spent by the peer's DP-SGD (-1: differential privacy is off)
+    border_epsilon: float = -1.0  # what its region has spent at its border, as this peer knows it (-1: off)
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["world_round"] = max(-1, int(d["world_round"]))
         d["leader"] = bool(d["leader"])
         d["loss_trend"] = [float(x) for x in d["loss_trend"] if math.isfinite(x) and x >= 0][-MAX_LOSS_TREND:]
-        eps = float(d["epsilon"])
-        d["epsilon"] = eps if math.isfinite(eps) and eps >= 0 else -1.0
+        for key in ("epsilon", "border_epsilon"):
+            eps = float(d[key])
+            d[key] = eps if math.isfinite(eps) and eps >= 0 else -1.0
         for k in ("train_loss", "tokens_per_s", "time"):
             v = float(d[k])
             d[k] = v if math.isfinite(v) and v >= 0 else 0.0

@@ -77,13 +77,16 @@ class WorldExchange:
     # ------------------------------------------------------------------ one world round
     def run(self, *, world_round: int, region_model: Sequence[torch.Tensor], tokens: float,
             expected_leaders: Callable[[], int], patience: float,
-            should_stop: Callable[[], bool] = lambda: False) -> WorldOutcome:
+            should_stop: Callable[[], bool] = lambda: False,
+            sent: Sequence[torch.Tensor] | None = None) -> WorldOutcome:
         """Run one world round. Regions progress at different speeds, so a leader keeps looking for
         the other leaders (one all-reduce attempt after another) for up to ``patience`` seconds; it
-        runs in the background, so the wait costs its region nothing."""
+        runs in the background, so the wait costs its region nothing. ``sent``: what goes into the
+        leaders' all-reduce instead of the region's model (border DP, :func:`rounds.border_release`);
+        the region keeps its own key layers and residual either way."""
         t0 = time.monotonic()
         rule = self.rule
-        payload = rounds.world_payload(rule, region_model)
+        payload = rounds.world_payload(rule, region_model if sent is None else sent)
         while True:
             try:
                 self.averager.set_target_group_size(max(2, expected_leaders()))
