@@ -78,12 +78,13 @@ def test_peer_systemd_unit_command_line_is_accepted(tmp_path):
 def test_the_privacy_block_of_a_profile_parses_when_uncommented(tmp_path):
     lines = (REPO / "peers" / "eu.toml").read_text().splitlines()
     start = lines.index("# [peer.privacy]")
-    for i in range(start, start + 4):
+    for i in list(range(start, start + 4)) + list(range(start + 6, start + 9)):
         lines[i] = lines[i].removeprefix("# ")
     profile = tmp_path / "eu.toml"
     profile.write_text("\n".join(lines) + "\n")
     cfg = peer_cli.make_config(peer_cli.build_parser().parse_args(["--config", str(profile), "--data", DATA]))
     assert (cfg.privacy.peer_noise, cfg.privacy.peer_clip, cfg.privacy.peer_delta) == (1.0, 1.0, 1e-5)
+    assert (cfg.privacy.border_clip, cfg.privacy.border_noise, cfg.privacy.border_delta) == (1.0, 0.5, 1e-5)
     # a flag wins over the profile
     cfg = peer_cli.make_config(peer_cli.build_parser().parse_args(
         ["--config", str(profile), "--data", DATA, "--peer-dp-noise", "2.0"]))
