@@ -425,3 +425,10 @@ def test_bad_input_in_a_real_process(tmp_path):
     """The same promise without the fork: an error found before the heavy imports."""
     code, _, err = run_cli(["--rounds", "0", "--out", str(tmp_path / "r.json")])
     assert_one_line_error(code, err, "--rounds")
+
+
+def test_a_diverged_model_has_infinite_perplexity_not_a_crash():
+    from worldlm_p2p.simulate import _perplexity, _finite
+
+    assert _perplexity(1.0) == pytest.approx(math.e)
+    assert _perplexity(1e4) == math.inf and _finite({"p": _perplexity(1e4)}) == {"p": None}

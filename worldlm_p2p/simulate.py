@@ -96,6 +96,14 @@ class VirtualPeer:
         return f"{self.region}/{self.label}"
 
 
+def _perplexity(loss: float) -> float:
+    """``exp(loss)``; infinite for a diverged model (written as null in the results)."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
 def _nbytes(tensors) -> int:
     return sum(t.numel() * 4 for t in tensors)  # float32 on the wire
 
@@ -261,7 +269,7 @@ class Simulator:
                 set_params(p.model, get_flat_params(self.central_model))
             loss = p.trainer.evaluate()
             trainer = self.central if self.central is not None else p.trainer
-            peers[p.key] = dict(region=p.region, loss=loss, perplexity=math.exp(loss), epsilon=trainer.epsilon(),
+            peers[p.key] = dict(region=p.region, loss=loss, perplexity=_perplexity(loss), epsilon=trainer.epsilon(),
                                 bits_per_byte=bits_per_byte(loss, bytes_per_token=p.data.valid_bytes_per_token),
                                 tokens=self._central_tokens if self.central is not None else p.tokens,
                                 bytes_sent_region=p.bytes_sent_region,
