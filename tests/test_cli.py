@@ -104,6 +104,8 @@ def test_peer_privacy_settings_against_the_run_policy(tmp_path):
         assert_one_line_error(code, err, "privacy settings break the run's policy", "DP-SGD", "epsilon <= 8")
         code, _, err = run(base + ["--peer-dp-noise", "0.3", "--max-steps", "100000"])
         assert_one_line_error(code, err, "privacy.peer_noise 0.3 would spend epsilon", "max_peer_epsilon 8")
+        code, _, err = run(base + ["--peer-dp-noise", "5.0"])
+        assert_one_line_error(code, err, "give --max-steps")
     finally:
         procs.close()
 

@@ -212,14 +212,19 @@ class Peer:
 
     def _check_projected_epsilon(self) -> None:
         """A peer that gives a noise multiplier is checked against the run's epsilon limit once its
-        sampling rate is known (its data size): over --max-steps, or it stops when the limit is reached."""
+        sampling rate is known (its data size): what it would spend over --max-steps. Without
+        --max-steps its spending has no bound, so it is refused."""
         limit, dp = self.manifest.privacy.max_peer_epsilon, self.trainer.dp
         if dp is None or limit <= 0 or self.config.privacy.peer_epsilon > 0:
             return
-        if self.config.max_steps is not None and dp.projected_epsilon(self.config.max_steps) > limit:
-            raise ConfigError(f"privacy.peer_noise {dp.noise_multiplier:g} would spend epsilon "
-                              f"{dp.projected_epsilon(self.config.max_steps):.3g} over {self.config.max_steps} steps, "
-                              f"more than the run's max_peer_epsilon {limit:g}: raise the noise or lower --max-steps")
+        if self.config.max_steps is None:
+            raise ConfigError(f"privacy.peer_noise: the run limits every peer to epsilon {limit:g}; with a noise "
+                              "multiplier the spending is bounded only by --max-steps: give --max-steps")
+        spent = dp.projected_epsilon(self.config.max_steps)
+        if spent > limit:
+            raise ConfigError(f"privacy.peer_noise {dp.noise_multiplier:g} would spend epsilon {spent:.3g} over "
+                              f"{self.config.max_steps} steps, more than the run's max_peer_epsilon {limit:g}: "
+                              "raise the noise or lower --max-steps")
 
     def _log_strategy(self) -> None:
         rule, m = self.rule, self.manifest
