@@ -1,0 +1,140 @@
+"""Evidence mixing (:mod:`worldlm_p2p.mixing`) against hand-computed values: the line search on
+losses whose minimum is known, the parabola step, the own model back when nothing helps, weights
+over several candidates that sum to one and do not depend on the candidates' order."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from worldlm_p2p import mixing
+
+GRID = (1 / 16, 1 / 4, 1.0)
+
+
+def quadratic(center: float, *, scale: float = 1.0, base: float = 2.0):
+    return lambda lam: base + scale * (lam - center) ** 2
+
+
+def test_own_model_back_when_every_mix_is_worse():
+    calls = []
+    choice = mixing.line_search(lambda lam: calls.append(lam) or quadratic(-0.5)(lam), grid=GRID)
+    assert choice.lam == 0.0 and choice.loss == choice.own_loss == 2.25 and choice.gain == 0.0
+    assert calls == [0.0, 1 / 16]  # own first, then the grid until the loss rises; no vertex at a boundary
+
+
+def test_the_search_stops_once_the_minimum_is_bracketed_and_reuses_a_known_own_loss():
+    calls = []
+    f = quadratic(0.1)
+    choice = mixing.line_search(lambda lam: calls.append(lam) or f(lam), grid=GRID, own_loss=f(0.0))
+    # 1/16 better than own, 1/4 worse: bracketed, then the vertex (exact for a parabola), never 1
+    assert calls[:2] == [1 / 16, 1 / 4] and len(calls) == 3 and 0.0 not in calls
+    assert choice.lam == pytest.approx(0.1) and choice.own_loss == f(0.0)
+    assert [x for x, _ in choice.evaluated] == calls
+
+
+def test_ties_keep_the_own_model():
+    choice = mixing.line_search(lambda lam: 3.0, grid=GRID)
+    assert choice.lam == 0.0
+
+
+def test_full_adoption_when_the_candidate_is_best():
+    choice = mixing.line_search(quadratic(1.7), grid=GRID)
+    assert choice.lam == 1.0
+    assert choice.loss == pytest.approx(2.0 + 0.7 ** 2)
+
+
+def test_parabola_vertex_finds_an_interior_minimum_exactly():
+    # grid losses at 0, 1/16, 1/4, 1 of (lam - 0.4)^2: best grid point 1/4, the parabola through
+    # 1/16, 1/4, 1 is the loss itself, so its vertex is the true minimiser 0.4
+    choice = mixing.line_search(quadratic(0.4), grid=GRID)
+    assert choice.lam == pytest.approx(0.4)
+    assert choice.loss == pytest.approx(2.0)
+    assert len(choice.evaluated) == 5 and choice.evaluated[-1][0] == pytest.approx(0.4)
+
+
+def test_vertex_that_is_not_better_is_not_taken():
+    # |lam - 0.3| is not a parabola: the vertex through (1/16, 1/4, 1) lies below 1/4 and is worse there
+    f = lambda lam: 1.0 + abs(lam - 0.25)  # noqa: E731
+    choice = mixing.line_search(f, grid=GRID)
+    assert choice.lam == 0.25 and choice.loss == 1.0
+
+
+def test_margin_requires_a_real_gain():
+    f = quadratic(0.25, scale=0.01)  # own 2.000625, best 2.0 at 1/4: a gain of 0.000625
+    assert mixing.line_search(f, grid=GRID, margin=0.0).lam == 0.25
+    assert mixing.line_search(f, grid=GRID, margin=0.001).lam == 0.0
+
+
+def test_a_diverging_candidate_is_never_taken():
+    f = lambda lam: 2.0 if lam == 0 else math.nan  # noqa: E731
+    assert mixing.line_search(f, grid=GRID).lam == 0.0
+    g = lambda lam: math.inf if lam >= 0.25 else 2.0 - lam  # noqa: E731
+    assert mixing.line_search(g, grid=GRID).lam == 1 / 16
+
+
+@pytest.mark.parametrize("grid", [(), (0.0, 0.5), (0.5, 1.5), (math.nan,)])
+def test_bad_grids_are_refused(grid):
+    with pytest.raises(ValueError, match="grid"):
+        mixing.line_search(quadratic(0.5), grid=grid)
+
+
+def test_interpolate_and_shift_by_hand():
+    own = [torch.tensor([1.0, 2.0]), torch.tensor([[0.0]])]
+    target = [torch.tensor([3.0, -2.0]), torch.tensor([[4.0]])]
+    out = mixing.interpolate(own, target, 0.25)
+    assert torch.equal(out[0], torch.tensor([1.5, 1.0])) and torch.equal(out[1], torch.tensor([[1.0]]))
+    same = mixing.interpolate(own, target, 0.0)
+    assert all(torch.equal(a, b) and a is not b for a, b in zip(same, own))
+    moved = mixing.shift(own, target, 0.5)
+    assert torch.equal(moved[0], torch.tensor([2.5, 1.0])) and torch.equal(moved[1], torch.tensor([[2.0]]))
+    with pytest.raises(ValueError, match="shape"):
+        mixing.interpolate(own, [target[0], torch.zeros(2)], 0.5)
+
+
+def _distance_loss(optimum: list[torch.Tensor]):
+    """Squared distance to ``optimum``: a slice loss whose best model is known."""
+    return lambda params: float(sum(((p.double() - o.double()) ** 2).sum() for p, o in zip(params, optimum)))
+
+
+def test_mix_toward_moves_to_the_best_point_on_the_line():
+    own, target = [torch.zeros(3)], [torch.ones(3)]
+    model, choice = mixing.mix_toward(own, target, _distance_loss([torch.full((3,), 0.4)]), grid=GRID)
+    assert choice.lam == pytest.approx(0.4)
+    assert torch.allclose(model[0], torch.full((3,), 0.4))
+
+
+def test_mix_change_takes_a_fraction_of_a_change():
+    own, change = [torch.tensor([1.0])], [torch.tensor([2.0])]
+    model, choice = mixing.mix_change(own, change, _distance_loss([torch.tensor([2.0])]), grid=GRID)
+    assert choice.lam == pytest.approx(0.5) and torch.allclose(model[0], torch.tensor([2.0]))
+
+
+def test_mix_weights_no_useful_partner_gives_the_own_model_back():
+    own = [torch.tensor([0.0, 0.0])]
+    cands = {"eu": [torch.tensor([5.0, 0.0])], "na": [torch.tensor([0.0, -5.0])]}
+    model, w = mixing.mix_weights(own, cands, _distance_loss([torch.tensor([-1.0, 1.0])]), grid=GRID)
+    assert w == {"own": 1.0, "eu": 0.0, "na": 0.0}
+    assert torch.equal(model[0], own[0])
+
+
+def test_mix_weights_sum_to_one_and_do_not_depend_on_order():
+    own = [torch.tensor([0.0, 0.0])]
+    a, b = [torch.tensor([4.0, 0.0])], [torch.tensor([0.0, 4.0])]
+    loss = _distance_loss([torch.tensor([1.0, 1.0])])  # halfway between own and both partners
+    m1, w1 = mixing.mix_weights(own, {"a": a, "b": b}, loss, grid=GRID)
+    m2, w2 = mixing.mix_weights(own, {"b": b, "a": a}, loss, grid=GRID)
+    assert w1 == w2 and torch.equal(m1[0], m2[0])
+    assert sum(w1.values()) == pytest.approx(1.0) and all(v >= 0 for v in w1.values())
+    # the model is the weighted combination of the inputs
+    combo = w1["own"] * own[0] + w1["a"] * a[0] + w1["b"] * b[0]
+    assert torch.allclose(m1[0], combo)
+    # both partners were taken, and the mix is closer to the optimum than the own model
+    assert w1["a"] > 0 and w1["b"] > 0 and loss(m1) < loss(own)
+
+
+def test_mix_weights_rejects_the_reserved_name():
+    with pytest.raises(ValueError, match="reserved"):
+        mixing.mix_weights([torch.zeros(1)], {"own": [torch.ones(1)]}, lambda p: 0.0)

@@ -1,0 +1,190 @@
+"""Evidence mixing: a member takes from its region and from the world only what lowers its loss on
+a slice of its own training text held apart for this (pure: imports torch only).
+
+After a round a member holds its own model ``theta`` and a candidate ``c`` (the region's agreed
+model; the world's change of it). It keeps ``theta + lam * (c - theta)`` with ``lam`` in ``[0, 1]``
+chosen by a line search on its *tune slice*, text it never trains on and is never evaluated on:
+
+1. the loss of its own model, ``f(0)``, then of the mixes at the ``grid`` points (default 1/16, 1/4,
+   1) in increasing order, stopping at the first point that is worse than the one before it (the
+   minimum is then bracketed, taking the loss along the line to be unimodal);
+2. where the best point lies between two others, the vertex of the parabola through the three is
+   tried as well (one more evaluation);
+3. the lowest loss wins; ``lam = 0`` (the member's own model, bit for bit) unless a mix is strictly
+   better by more than ``margin`` nats.
+
+So a member with no useful partner gets its own model back and trains on exactly as it would alone;
+one whose partners' models help takes as much of them as its evidence supports. Repeated small
+pulls towards a region model act like Ditto's proximal term (arXiv 2012.04221) and APFL's mixing
+weight (arXiv 2003.13461), with the strength set by held-out evidence each round instead of a
+tuned constant. The search costs 2 forward passes over the slice when even the smallest mix
+does not help, at most ``len(grid) + 2``, and no communication.
+
+:func:`mix_weights` is the same choice over several candidates at once (a greedy sequence of line
+searches, best candidate first): weights over ``{own} + candidates`` that are non-negative and sum to
+one, independent of the order in which the candidates are given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+DEFAULT_GRID = (1 / 16, 1 / 4, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class MixChoice:
+    """The outcome of one line search: the chosen ``lam``, its slice loss, the loss of the member's
+    own model (``lam = 0``) and every ``(lam, loss)`` evaluated, in evaluation order."""
+
+    lam: float
+    loss: float
+    own_loss: float
+    evaluated: tuple[tuple[float, float], ...]
+
+    @property
+    def gain(self) -> float:
+        """Nats per token the mix saves on the slice (>= 0)."""
+        return self.own_loss - self.loss
+
+
+def check_grid(grid: Sequence[float]) -> tuple[float, ...]:
+    """The grid sorted, or ValueError when a point is outside ``(0, 1]`` or none is given."""
+    pts = tuple(sorted({float(x) for x in grid}))
+    if not pts or any(not (0.0 < x <= 1.0) or not math.isfinite(x) for x in pts):
+        raise ValueError(f"mixing grid points must lie in (0, 1], got {tuple(grid)}")
+    return pts
+
+
+def _vertex(x: Sequence[float], y: Sequence[float]) -> float | None:
+    """The minimiser of the parabola through three points, or None when it is not convex."""
+    (x0, x1, x2), (y0, y1, y2) = x, y
+    den = (x0 - x1) * (x0 - x2) * (x1 - x2)
+    if den == 0:
+        return None
+    a = (x2 * (y1 - y0) + x1 * (y0 - y2) + x0 * (y2 - y1)) / den
+    b = (x2 ** 2 * (y0 - y1) + x1 ** 2 * (y2 - y0) + x0 ** 2 * (y1 - y2)) / den
+    if not a > 0:
+        return None
+    return min(max(-b / (2 * a), x0), x2)
+
+
+def line_search(loss_at: Callable[[float], float], *, grid: Sequence[float] = DEFAULT_GRID,
+                margin: float = 0.0, own_loss: float | None = None) -> MixChoice:
+    """Choose ``lam`` in ``[0, 1]`` minimising ``loss_at(lam)`` (see the module docstring).
+
+    ``loss_at(0.0)`` must be the member's own model; ``own_loss``, when given, is its value already
+    known (it is not evaluated again). A non-finite loss counts as infinitely bad, so a candidate
+    that makes the model diverge is never taken."""
+    grid_pts = check_grid(grid)
+    if margin < 0:
+        raise ValueError(f"margin must be >= 0, got {margin}")
+
+    def f(lam: float) -> float:
+        value = float(loss_at(lam))
+        return value if math.isfinite(value) else math.inf
+
+    pts = [0.0]
+    ys = [float(own_loss) if own_loss is not None and math.isfinite(own_loss) else f(0.0)]
+    evaluated = [] if own_loss is not None and math.isfinite(own_loss) else [(0.0, ys[0])]
+    for x in grid_pts:
+        pts.append(x)
+        ys.append(f(x))
+        evaluated.append((x, ys[-1]))
+        if ys[-1] > ys[-2]:  # the minimum is bracketed
+            break
+    own = ys[0]
+    i = min(range(len(pts)), key=lambda k: (ys[k], pts[k]))  # ties: the smaller mix
+    best, best_y = pts[i], ys[i]
+    if 0 < i < len(pts) - 1 and all(math.isfinite(v) for v in ys[i - 1:i + 2]):
+        v = _vertex(pts[i - 1:i + 2], ys[i - 1:i + 2])
+        if v is not None and v not in pts:
+            yv = f(v)
+            evaluated.append((v, yv))
+            if yv < best_y:
+                best, best_y = v, yv
+    if not math.isfinite(own):  # the own model is broken: anything finite is better
+        pass
+    elif best > 0 and not best_y < own - margin:
+        best, best_y = 0.0, own
+    return MixChoice(lam=best, loss=best_y, own_loss=own, evaluated=tuple(evaluated))
+
+
+def interpolate(own: Sequence[torch.Tensor], target: Sequence[torch.Tensor], lam: float) -> list[torch.Tensor]:
+    """``own + lam * (target - own)`` per tensor (computed in float64, cast back to own's dtype);
+    ``lam = 0`` returns copies of ``own`` exactly."""
+    if len(own) != len(target):
+        raise ValueError(f"interpolate: {len(own)} tensors against {len(target)}")
+    out = []
+    for i, (a, b) in enumerate(zip(own, target)):
+        if a.shape != b.shape:
+            raise ValueError(f"interpolate: tensor {i} has shape {tuple(a.shape)} against {tuple(b.shape)}")
+        if lam == 0.0:
+            out.append(a.detach().clone())
+        else:
+            a64 = a.detach().to(torch.float64)
+            out.append((a64 + lam * (b.detach().to(torch.float64) - a64)).to(a.dtype))
+    return out
+
+
+def shift(own: Sequence[torch.Tensor], change: Sequence[torch.Tensor], lam: float) -> list[torch.Tensor]:
+    """``own + lam * change`` per tensor (a fraction of a change made elsewhere, e.g. by a world round)."""
+    if len(own) != len(change):
+        raise ValueError(f"shift: {len(own)} tensors against {len(change)}")
+    out = []
+    for i, (a, d) in enumerate(zip(own, change)):
+        if a.shape != d.shape:
+            raise ValueError(f"shift: tensor {i} has shape {tuple(a.shape)} against {tuple(d.shape)}")
+        out.append(a.detach().clone() if lam == 0.0 else
+                   (a.detach().to(torch.float64) + lam * d.detach().to(torch.float64)).to(a.dtype))
+    return out
+
+
+def mix_toward(own: Sequence[torch.Tensor], target: Sequence[torch.Tensor],
+               loss_of: Callable[[list[torch.Tensor]], float], *, grid: Sequence[float] = DEFAULT_GRID,
+               margin: float = 0.0, own_loss: float | None = None) -> tuple[list[torch.Tensor], MixChoice]:
+    """The member's next model ``own + lam * (target - own)`` with ``lam`` from :func:`line_search`
+    of ``loss_of`` (the slice loss of a parameter list), and the choice."""
+    choice = line_search(lambda lam: loss_of(interpolate(own, target, lam)), grid=grid, margin=margin,
+                         own_loss=own_loss)
+    return interpolate(own, target, choice.lam), choice
+
+
+def mix_change(own: Sequence[torch.Tensor], change: Sequence[torch.Tensor],
+               loss_of: Callable[[list[torch.Tensor]], float], *, grid: Sequence[float] = DEFAULT_GRID,
+               margin: float = 0.0, own_loss: float | None = None) -> tuple[list[torch.Tensor], MixChoice]:
+    """The member's next model ``own + lam * change`` with ``lam`` from :func:`line_search`."""
+    choice = line_search(lambda lam: loss_of(shift(own, change, lam)), grid=grid, margin=margin, own_loss=own_loss)
+    return shift(own, change, choice.lam), choice
+
+
+def mix_weights(own: Sequence[torch.Tensor], candidates: Mapping[str, Sequence[torch.Tensor]],
+                loss_of: Callable[[list[torch.Tensor]], float], *, grid: Sequence[float] = DEFAULT_GRID,
+                margin: float = 0.0) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Weights over ``{"own"} + candidates`` (non-negative, summing to one) and the mixed model.
+
+    Candidates are visited best first (by their own slice loss, then by name, so the result does not
+    depend on the order they are given in); each is mixed in by a line search from the current mix,
+    and the weights of what was mixed before shrink by ``1 - lam``. With no candidate that lowers
+    the slice loss the member's own model comes back unchanged with weight 1."""
+    if "own" in candidates:
+        raise ValueError("'own' is reserved for the member's own model")
+    order = sorted(candidates, key=lambda name: (_finite_or_inf(loss_of([t.detach() for t in candidates[name]])), name))
+    weights = {"own": 1.0, **{name: 0.0 for name in sorted(candidates)}}
+    current = [t.detach().clone() for t in own]
+    for name in order:
+        current, choice = mix_toward(current, candidates[name], loss_of, grid=grid, margin=margin)
+        if choice.lam > 0:
+            for k in weights:
+                weights[k] *= 1.0 - choice.lam
+            weights[name] += choice.lam
+    return current, weights
+
+
+def _finite_or_inf(x: float) -> float:
+    x = float(x)
+    return x if math.isfinite(x) else math.inf
