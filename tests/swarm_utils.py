@@ -193,14 +193,25 @@ def round_rule(strategy: str = "worldlm", **aggregation):
 
 def round_error(group: list[dict], rule=None) -> float:
     """Largest distance between a member's post-round model and what the pure round function
-    (:func:`worldlm_p2p.rounds.region_round`) computes centrally from the members' pre-round models,
-    weights and common anchor (0 when the all-reduce delivered every part to every member)."""
-    from worldlm_p2p.rounds import region_round
+    (:func:`worldlm_p2p.rounds.region_round_with_anchor`) computes centrally from the members'
+    pre-round models, weights and common anchor (0 when the all-reduce delivered every part to every
+    member). With evidence mixing, a member keeps ``pre + lam (agreed - pre)`` with the ``lam`` it
+    chose on its own tune slice (in its trace; the choice itself is the simulator tests' subject),
+    and its agreed model must be the central one too."""
+    from worldlm_p2p.mixing import interpolate
+    from worldlm_p2p.rounds import region_round_with_anchor
 
     rule = rule or round_rule()
-    refs, _ = region_round(rule, [t["pre"] for t in group], [t["weight"] for t in group],
-                           anchor=group[0]["anchor"], momentum=None)
-    return max(max_abs_diff(t["post"], ref) for t, ref in zip(group, refs))
+    refs, _, agreed = region_round_with_anchor(rule, [t["pre"] for t in group], [t["weight"] for t in group],
+                                               anchor=group[0]["anchor"], momentum=None)
+    errors = []
+    for t, ref in zip(group, refs):
+        if rule.evidence:
+            ref = interpolate(t["pre"], agreed, float(t.get("mix_lam") or 0.0))
+            if t.get("agreed") is not None:
+                errors.append(max_abs_diff(t["agreed"], agreed))
+        errors.append(max_abs_diff(t["post"], ref))
+    return max(errors)
 
 
 def process_group(pgid: int) -> list[str]:

@@ -9,12 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from worldlm_p2p.errors import DataError
+from worldlm_p2p.errors import ConfigError, DataError
 from worldlm_p2p.train.data import (
+    TextSplits,
     demo_data_dir,
     eval_batches,
+    hold_out_tune,
     list_corpus,
     load_texts,
+    read_grouping,
     sample_batch,
     tokenize_splits,
 )
@@ -341,3 +344,91 @@ def test_make_demo_data_script(tmp_path: Path) -> None:
     assert (out / "valid.txt").read_text(encoding="utf-8") == "short\n"
     readme = (tmp_path / "out" / "README.md").read_text(encoding="utf-8")
     assert "truncated to the first 1200 lines (of 2000)" in readme and "Org/UD_Test" in readme
+
+
+# ----------------------------------------------------------------------------------- tune slice
+
+
+def _stream(docs: list[str]):
+    return tokenize_splits(TextSplits(train=docs, valid=["v"], source="test"), ByteTokenizer())
+
+
+def test_hold_out_tune_takes_the_tail_at_a_document_boundary() -> None:
+    docs = [f"document {i:03d} " + "x" * 40 for i in range(100)]  # 53 bytes + EOS each: 5400 tokens
+    data = _stream(docs)
+    tok = ByteTokenizer()
+    out = hold_out_tune(data, fraction=0.05, max_tokens=10_000, seq_len=16, eos_id=tok.eos_id)
+    # 5% of 5400 = 270 tokens asked; the slice starts after the first EOS in the first half of the tail
+    assert out.train.numel() + out.tune.numel() == data.train.numel()
+    assert torch.equal(torch.cat([out.train, out.tune]), data.train)
+    assert int(out.train[-1]) == tok.eos_id  # no document is split between the two
+    assert out.tune.numel() == 270 - 54  # the 4 last whole documents
+    assert out.valid is data.valid and out.train_bytes == data.train_bytes
+    # capped by max_tokens, and at least one window
+    assert hold_out_tune(data, fraction=0.5, max_tokens=100, seq_len=16, eos_id=tok.eos_id).tune.numel() <= 100
+    assert hold_out_tune(data, fraction=0.001, max_tokens=100, seq_len=16, eos_id=tok.eos_id).tune.numel() >= 17 - 8
+
+
+def test_hold_out_tune_leaves_tiny_data_alone(caplog) -> None:
+    data = _stream(["short"])
+    out = hold_out_tune(data, fraction=0.05, max_tokens=2048, seq_len=16, eos_id=257)
+    assert out is data and out.tune.numel() == 0
+    assert "too short to hold a tune slice apart" in caplog.text
+    with pytest.raises(ConfigError, match="fraction"):
+        hold_out_tune(data, fraction=1.5, max_tokens=10, seq_len=16)
+
+
+def _grouping(tmp_path: Path, text: str) -> Path:
+    for sub in ("eu/de", "na/en", "asia/ja"):
+        (tmp_path / "corpus" / sub).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "corpus" / sub / "train.txt").write_text("x\n", encoding="utf-8")
+    path = tmp_path / "groups" / "g.toml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_grouping_file_regroups_a_corpus_by_reference(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("WORLDLM_CORPUS_ROOT", raising=False)
+    path = _grouping(tmp_path, 'root = "../corpus"\n[regions]\nwest = ["na/en", "eu/de"]\neast = ["asia/ja"]\n')
+    root = (tmp_path / "corpus").resolve()
+    want = {"east": [root / "asia" / "ja"], "west": [root / "na" / "en", root / "eu" / "de"]}
+    assert list_corpus(path) == read_grouping(path) == want
+    assert list(list_corpus(path)) == ["east", "west"]
+    # the corpus root can be moved: the environment or the caller says where it is
+    moved = tmp_path / "elsewhere"
+    (tmp_path / "corpus").rename(moved)
+    with pytest.raises(DataError, match="is not a directory"):
+        read_grouping(path)
+    monkeypatch.setenv("WORLDLM_CORPUS_ROOT", str(moved))
+    assert read_grouping(path)["east"] == [moved.resolve() / "asia" / "ja"]
+    assert read_grouping(path, root=moved)["west"][1] == moved.resolve() / "eu" / "de"
+
+
+@pytest.mark.parametrize("text, message", [
+    ('root = "../corpus"\n', "no \\[regions\\] table"),
+    ('[regions]\neu = ["eu/de"]\n', "names no corpus root"),
+    ('root = "../corpus"\n[regions]\neu = ["eu/fr"]\n', "eu/fr has no train.txt"),
+    ('root = "../corpus"\n[regions]\neu = ["eu/de"]\nna = ["eu/de"]\n', "appears twice"),
+    ('root = "../corpus"\n[regions]\n"bad.name" = ["eu/de"]\n', "not a valid region name"),
+    ('root = "../corpus"\n[regions]\neu = []\n', "one or more sub-corpus paths"),
+    ('root = "../corpus\n', "not valid TOML"),
+])
+def test_grouping_file_errors_say_why(tmp_path: Path, monkeypatch, text: str, message: str) -> None:
+    monkeypatch.delenv("WORLDLM_CORPUS_ROOT", raising=False)
+    path = _grouping(tmp_path, text)
+    with pytest.raises(DataError, match=message) as err:
+        list_corpus(path)
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+def test_the_benchmark_groupings_are_valid() -> None:
+    corpus = REPO.parent / "shared" / "data" / "corpus"
+    if not corpus.is_dir():
+        pytest.skip("../shared/data/corpus is not on this machine")
+    sizes = {}
+    for path in sorted((REPO / "benchmarks" / "corpora").glob("*.toml")):
+        layout = read_grouping(path, root=corpus)
+        sizes[path.stem] = sorted(len(v) for v in layout.values())
+    assert sizes == {"mixed": [1, 1, 1, 4], "random": [2, 3, 4], "related": [1, 2, 2], "scripts": [1, 1, 1, 1],
+                     "today": [5, 6, 7]}

@@ -262,7 +262,7 @@ def test_region_round_worldlm_personal_mix(scope):
     from worldlm_p2p.rounds import region_round_with_anchor
 
     anchor, members, tokens = _region(seed=7, scale=0.3)
-    rule = RoundRule(strategy="worldlm", split=SPLIT, personal_tau=0.3, personal_scope=scope)
+    rule = RoundRule(strategy="worldlm", split=SPLIT, mix="cosine", personal_tau=0.3, personal_scope=scope)
     plain = RoundRule(strategy="worldlm", split=SPLIT)
     out, _, agreed = region_round_with_anchor(rule, members, tokens, anchor=anchor, momentum=None)
     ref_out, _ = region_round(plain, members, tokens, anchor=anchor, momentum=None)

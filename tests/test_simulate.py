@@ -22,11 +22,11 @@ from swarm_utils import DEMO, env, max_abs_diff
 from worldlm_p2p.aggregation import allreduce_traffic, round_weight
 from worldlm_p2p.config import AggregationConfig, PrivacyConfig, TrainConfig, model_preset
 from worldlm_p2p.privacy import BorderAccountant
-from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, region_round,
-                                region_round_with_anchor, world_round)
+from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, member_world_mix,
+                                region_round, region_round_with_anchor, world_round)
 from worldlm_p2p.simulate import SimConfig, Simulator, simulate
 from worldlm_p2p.split import split_parameters
-from worldlm_p2p.train import (ByteTokenizer, LocalTrainer, build_model, get_flat_params, load_texts,
+from worldlm_p2p.train import (ByteTokenizer, LocalTrainer, build_model, get_flat_params, hold_out_tune, load_texts,
                                peer_data_seed, tokenize_splits)
 
 SIM = [sys.executable, "-m", "worldlm_p2p.cli.simulate"]
@@ -196,9 +196,17 @@ class _Rebuilt:
         self.region, self.label = sub.parent.name, sub.name
         self.model = build_model(config.model, vocab_size=ByteTokenizer().vocab_size, seed=config.train.seed)
         data = tokenize_splits(load_texts(sub), ByteTokenizer())
+        agg = config.aggregation
+        if agg.strategy == "worldlm" and agg.mix == "evidence":
+            data = hold_out_tune(data, fraction=agg.tune_fraction, max_tokens=agg.tune_tokens,
+                                 seq_len=config.train.seq_len, eos_id=ByteTokenizer().eos_id)
+            assert data.tune.numel() > 0
         self.trainer = LocalTrainer(model=self.model, train=config.train, data=data, device=torch.device("cpu"),
-                                    seed=peer_data_seed(config.train.seed, self.region, self.label))
+                                    seed=peer_data_seed(config.train.seed, self.label))
         self.step = self.tokens = self.tokens_since_world = 0
+
+    def loss_of(self, params) -> float:
+        return self.trainer.tune_loss(params)
 
     def train(self, steps: int) -> int:
         tokens = 0
@@ -220,13 +228,14 @@ def _sim_models(sim: Simulator) -> dict[tuple[str, str], list[torch.Tensor]]:
     return {(p.region, p.label): get_flat_params(p.model) for p in sim.peers}
 
 
-@pytest.mark.parametrize("personal_tau", [0.1, 0.0])
-def test_worldlm_region_round_equals_the_pure_round(corpus, personal_tau):
-    """One round: every peer H steps alone, then ``rounds.region_round`` per region."""
+@pytest.mark.parametrize("mix", ["evidence", "cosine", "none"])
+def test_worldlm_region_round_equals_the_pure_round(corpus, mix):
+    """One round: every peer H steps alone, then ``rounds.region_round`` per region. With evidence
+    mixing each member holds the same tune slice apart and chooses its own weight on it."""
     config = sim_config(corpus, "worldlm", rounds=1, world_every=2,  # no world round after round 1
-                        personal_tau=personal_tau)
+                        mix=mix)
     sim = Simulator(config)
-    sim.run()
+    results = sim.run()
     got = _sim_models(sim)
 
     init = get_flat_params(build_model(config.model, vocab_size=259, seed=0))
@@ -236,26 +245,38 @@ def test_worldlm_region_round_equals_the_pure_round(corpus, personal_tau):
         pre = [get_flat_params(p.model) for p in peers]
         assert max_abs_diff(pre[0], pre[1]) > 1e-4  # they trained apart
         rule = _rule(config, peers[0].model)
-        want, _ = region_round(rule, pre, weights, anchor=init, momentum=None)
-        for p, w, before in zip(peers, want, pre):
+        choices: list = []
+        want, _, agreed = region_round_with_anchor(rule, pre, weights, anchor=init, momentum=None,
+                                                   loss_of=[p.loss_of for p in peers], choices=choices)
+        for p, w in zip(peers, want):
             assert max_abs_diff(got[(region, p.label)], w) < 1e-6, (region, p.label)
-            assert max_abs_diff(got[(region, p.label)], before) > 1e-5  # the round changed the model
-        if personal_tau == 0:  # the whole region adopts the agreed B and K after a round
+        if mix == "none":  # the whole region adopts the agreed B and K after a round
             assert max_abs_diff(got[(region, subs[0])], got[(region, subs[1])]) < 1e-6
-        else:  # each member keeps its personal mix of its own and the region's update
+            assert max_abs_diff(got[(region, subs[0])], agreed) < 1e-6
+        elif mix == "cosine":  # each member keeps its personal mix of its own and the region's update
             assert max_abs_diff(got[(region, subs[0])], got[(region, subs[1])]) > 1e-5
+        else:  # each member keeps own + lam (agreed - own), lam chosen on its own tune slice
+            for p, before, c in zip(peers, pre, choices):
+                lam = results["mixes"][f"{region}/{p.label}"][0]["lam"]
+                assert c.lam == lam and 0.0 <= lam <= 1.0
+                expect = [a + lam * (g - a) for a, g in zip(before, agreed)]
+                assert max_abs_diff(got[(region, p.label)], expect) < 1e-6
+                assert c.loss <= c.own_loss  # never worse on the slice than its own model
     # regions never average with each other
     assert max_abs_diff(got[("eu", LAYOUT["eu"][0])], got[("na", LAYOUT["na"][0])]) > 1e-4
 
 
-@pytest.mark.parametrize("strategy", ["worldlm", "hierfavg", "worldlm-border-dp"])
+@pytest.mark.parametrize("strategy", ["worldlm", "worldlm-mix-none", "hierfavg", "worldlm-border-dp"])
 def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, strategy):
     """The schedule: two region rounds (the second from the first's anchor, with the optimizer state
-    carried over), then a world round among the regions' leaders that every member adopts. With border
-    DP, each leader sends its region's clipped and noised backbone change (rounds.border_release)."""
+    carried over), then a world round among the regions' leaders that every member adopts: by its
+    own evidence (worldlm's default: it adds the fraction of the world's change that its tune slice
+    supports) or whole. With border DP, each leader sends its region's clipped and noised backbone
+    change (rounds.border_release)."""
     dp = PrivacyConfig(border_clip=0.05, border_noise=0.5) if strategy.endswith("-border-dp") else PrivacyConfig()
-    strategy = strategy.removesuffix("-border-dp")
-    config = dataclasses.replace(sim_config(corpus, strategy, rounds=2, world_every=2), privacy=dp)
+    mix = "none" if strategy.endswith("-mix-none") else "evidence"
+    strategy = strategy.removesuffix("-border-dp").removesuffix("-mix-none")
+    config = dataclasses.replace(sim_config(corpus, strategy, rounds=2, world_every=2, mix=mix), privacy=dp)
     sim = Simulator(config)
     results = sim.run()
     got = _sim_models(sim)
@@ -270,7 +291,8 @@ def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, st
         for r, members in peers.items():
             weights = [round_weight(p.train(H)) for p in members]
             new, momenta[r], anchors[r] = region_round_with_anchor(
-                rule, [get_flat_params(p.model) for p in members], weights, anchor=anchors[r], momentum=momenta[r])
+                rule, [get_flat_params(p.model) for p in members], weights, anchor=anchors[r], momentum=momenta[r],
+                loss_of=[p.loss_of for p in members])
             for p, tensors in zip(members, new):
                 with torch.no_grad():
                     for param, t in zip(p.model.parameters(), tensors):
@@ -289,11 +311,21 @@ def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, st
     else:
         assert all(v["epsilon"] is None for v in results["regions"].values())
     result = world_round(rule, anchors, tokens, sent=sent)
+    lams = []
     for r, members in peers.items():
-        # every member rebases onto the world result: its model plus the change of the region's model
+        # every member rebases onto the world result: its model plus (a fraction of) the change of
+        # the region's model
         delta = [n - a for n, a in zip(result.models[r], anchors[r])]
         for p in members:
-            want = [t + d for t, d in zip(get_flat_params(p.model), delta)]
+            own = get_flat_params(p.model)
+            want, choice = member_world_mix(rule, own=own, change=delta, loss_of=p.loss_of)
+            if rule.evidence:
+                lam = results["mixes"][f"{r}/{p.label}"][-1]
+                assert lam["kind"] == "world" and lam["lam"] == choice.lam
+                lams.append(choice.lam)
+                assert max_abs_diff(want, [t + choice.lam * d for t, d in zip(own, delta)]) < 1e-6
+            else:
+                assert max_abs_diff(want, [t + d for t, d in zip(own, delta)]) < 1e-6
             assert max_abs_diff(got[(r, p.label)], want) < 1e-6, (strategy, r, p.label)
     if strategy == "hierfavg":  # the world round gives every region the same model
         assert max_abs_diff(got[("eu", "fi_mixed")], got[("na", "en_email")]) < 1e-6

@@ -3,8 +3,9 @@
 Three real peers of region ``eu`` (CLI processes on 127.0.0.1) each train H steps and hold one region
 round; ``worldlm-simulate``'s :class:`~worldlm_p2p.simulate.Simulator`, run in-process on a corpus of
 exactly those three sub-corpora with the same manifest and seed, must hold the same models before the
-round (same init, same batch streams: ``peer_data_seed(seed, region, label)``, labels = sub-corpus
-names) and after it (the hivemind all-reduce vs. ``weighted_mean``: equal within float rounding).
+round (same init, same batch streams: ``peer_data_seed(seed, label)``, labels = sub-corpus
+names) and after it (the hivemind all-reduce vs. ``weighted_mean``: equal within float rounding,
+and each member's evidence mixing on its own tune slice: the same weight).
 """
 
 from __future__ import annotations
@@ -143,7 +144,9 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path):
         err = max_abs_diff(t["post"], sim_post[label])
         # if not, say whether the swarm's round at least equals the pure round of its own inputs
         assert err < 1e-5, (label, err, f"swarm vs rounds.region_round on its own inputs: {round_error(group):.2e}")
-        assert max_abs_diff(t["post"], t["pre"]) > 1e-4  # the round did change the model
+        assert max_abs_diff(t["agreed"], t["pre"]) > 1e-4  # the round did change the region's model
+        # each member kept pre + lam (agreed - pre), lam chosen on its tune slice as in the simulator
+        assert t["mix_lam"] == pytest.approx(results["mixes"][f"{REGION}/{label}"][0]["lam"], abs=1e-6), label
     # and the held-out loss each peer measured at exit is the simulator's
     for label in SUBS:
         swarm, simulated = sums[label]["valid_loss"], results["peers"][f"{REGION}/{label}"]["loss"]

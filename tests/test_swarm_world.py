@@ -55,6 +55,25 @@ def _monitor(maddrs, *args):
                           capture_output=True, text=True, env=dict(env(), COLUMNS="160"), cwd=REPO, timeout=120)
 
 
+def _tune_trainer(tmp, argv, rule):
+    """A trainer over the tune slice a peer started with ``argv`` holds apart (rebuilt from its data
+    file and the run manifest), to recompute its mixing choices."""
+    import tomllib
+
+    from worldlm_p2p.config import RunManifest
+    from worldlm_p2p.train import (ByteTokenizer, LocalTrainer, build_model, hold_out_tune, load_texts,
+                                   tokenize_splits)
+
+    m = RunManifest.from_dict(tomllib.loads((tmp / "run.toml").read_text()))
+    agg, tok = m.aggregation, ByteTokenizer()
+    data = tokenize_splits(load_texts(argv[argv.index("--data") + 1]), tok)
+    data = hold_out_tune(data, fraction=agg.tune_fraction, max_tokens=agg.tune_tokens, seq_len=m.train.seq_len,
+                         eos_id=tok.eos_id)
+    assert rule.evidence and data.tune.numel() > 0
+    return LocalTrainer(model=build_model(m.model, vocab_size=tok.vocab_size, seed=m.train.seed), train=m.train,
+                        data=data, device=torch.device("cpu"), seed=0)
+
+
 def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
     _, maddrs = start_bootstrap(procs, tmp_path, run_id="world", inner_steps=5, averaging="leader_ttl = 10.0",
                                 aggregation="world_every = 2\nresidual_tau = 1.0")
@@ -144,6 +163,15 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
         member, k, t, lead = wait_for(adopted, 120, "an eu member to adopt a world round of an eu leader")
         want = [m.float() - s for m, s in zip(lead["model"], lead["snapshot"])]
         assert max_abs_diff(t["delta"], want) < 1e-6, (member, k, lead["label"])
+        # ... and takes of it what the simulator's member would: the same pure function
+        # (rounds.member_world_mix) on the same inputs, its model before, the change and its own tune
+        # slice (rebuilt here from its data file), gives the same weight and the same model
+        from worldlm_p2p.rounds import member_world_mix
+
+        trainer = _tune_trainer(tmp_path, dict(eu)[member].args, rule)
+        model, choice = member_world_mix(rule, own=t["before"], change=t["delta"], loss_of=trainer.tune_loss)
+        assert choice is not None and 0.0 <= choice.lam <= 1.0 and choice.lam == pytest.approx(t["mix_lam"], abs=1e-5)
+        assert max_abs_diff(t["after"], model) < 1e-5, (member, k, choice)
 
         # the monitor lists every peer with its region, and the leaders the peers themselves report
         # (leases can move under load: compare with the peers' own view just before and after)

@@ -25,6 +25,7 @@ from worldlm_p2p.errors import ConfigError
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 STRATEGIES = ("worldlm", "fedavg", "hierfavg", "fedper", "local")  # what a swarm runs
 SIM_STRATEGIES = (*STRATEGIES, "centralized")  # the simulator also has the pooled-data baseline
+MIX_RULES = ("evidence", "cosine", "none")  # what a worldlm member keeps after a round
 
 
 def check_name(kind: str, value: str) -> str:
@@ -151,10 +152,19 @@ class AggregationConfig:
     - ``world_every``: a world round after every M-th region round (``worldlm`` and ``hierfavg``).
     - ``residual`` / ``residual_dim`` / ``residual_tau`` / ``residual_beta``: cross-region sharing of
       K by residual embeddings (:mod:`worldlm_p2p.residual`).
-    - ``personal_tau`` / ``personal_scope``: with ``personal_tau > 0`` each member keeps a personal
-      mix of its own update and the region's (:func:`worldlm_p2p.attention.personalize`), over
-      the whole model (``"all"``, the default) or over K only (``"key"``); the region's agreed
-      model (B + the region's K) is unchanged by it. 0 makes members adopt the agreed model.
+    - ``mix``: what a ``worldlm`` member keeps after a round. ``"evidence"`` (the default): its own
+      model moved towards the region's agreed model, and by the world's change of it, only as far
+      as that lowers its loss on a tune slice of its own training text (:mod:`worldlm_p2p.mixing`);
+      ``"cosine"``: the personal mix of its own and the region's update by their cosine
+      (:func:`worldlm_p2p.attention.personalize`, ``personal_tau`` / ``personal_scope``);
+      ``"none"``: it adopts the agreed model (the paper's behaviour). The region's agreed model
+      (B + the region's K) is the same in every case.
+    - ``mix_world``: with ``mix = "evidence"``, a member also takes a world round's change only as far
+      as its evidence supports (False: every member adds the whole change, as the region does).
+    - ``tune_fraction`` / ``tune_tokens``: the tune slice, held apart from each member's training
+      text for ``mix = "evidence"``: this fraction of its training tokens, at most ``tune_tokens``.
+    - ``personal_tau`` / ``personal_scope``: the temperature and scope (``"all"`` or ``"key"``) of
+      ``mix = "cosine"``.
     - ``outer`` / ``outer_lr`` / ``outer_momentum``: the outer optimizer applied to the backbone at
       region rounds (:mod:`worldlm_p2p.outer_optim`); ``sgd`` with lr 1 is FedAvg.
     """
@@ -164,11 +174,15 @@ class AggregationConfig:
     attention: str = "distance"
     tau: float = 0.1
     eps: float = 1.0
-    world_every: int = 2
+    world_every: int = 1
     residual: bool = True
     residual_dim: int = 256
     residual_tau: float = 0.1
     residual_beta: float = 0.5
+    mix: str = "evidence"
+    mix_world: bool = True
+    tune_fraction: float = 0.05
+    tune_tokens: int = 2048
     personal_tau: float = 0.1
     personal_scope: str = "all"
     outer: str = "sgd"
@@ -187,7 +201,12 @@ class AggregationConfig:
         _require(self.residual_dim >= 1, "aggregation.residual_dim", "must be >= 1")
         _require(self.residual_tau > 0, "aggregation.residual_tau", "must be > 0")
         _require(0 <= self.residual_beta <= 1, "aggregation.residual_beta", "must be in [0, 1]")
-        _require(self.personal_tau >= 0, "aggregation.personal_tau", "must be >= 0 (0: members adopt the region's K)")
+        _require(self.mix in MIX_RULES, "aggregation.mix", f"{self.mix!r} is not one of {', '.join(MIX_RULES)}")
+        _require(0 < self.tune_fraction < 1, "aggregation.tune_fraction", "must be in (0, 1), e.g. 0.05")
+        _require(self.tune_tokens >= 1, "aggregation.tune_tokens", "must be a positive integer")
+        _require(self.personal_tau > 0 or self.mix != "cosine", "aggregation.personal_tau",
+                 "must be > 0 with mix = \"cosine\" (use mix = \"none\" to make members adopt the agreed model)")
+        _require(self.personal_tau >= 0, "aggregation.personal_tau", "must be >= 0")
         _require(self.personal_scope in ("key", "all"), "aggregation.personal_scope",
                  f"{self.personal_scope!r} is not one of key, all")
         _require(self.outer in ("sgd", "nesterov"), "aggregation.outer", f"{self.outer!r} is not one of sgd, nesterov")

@@ -42,8 +42,8 @@ from worldlm_p2p.net.leader import LeaderLease, elect
 from worldlm_p2p.privacy import BorderAccountant
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.train.dp import peer_dp_config
-from worldlm_p2p.train import (LocalTrainer, build_model, get_flat_params, load_texts, load_tokenizer,
-                               peer_data_seed, resolve_device, set_params, tokenize_splits)
+from worldlm_p2p.train import (LocalTrainer, build_model, get_flat_params, hold_out_tune, load_texts,
+                               load_tokenizer, peer_data_seed, resolve_device, set_params, tokenize_splits)
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class PeerStats:
     bytes_sent_border: int = 0
     # one point every inner_steps steps: step, tokens, mean train loss of those steps, region and world round
     history: list[dict[str, Any]] = field(default_factory=list)
+    mixes: list[dict[str, Any]] = field(default_factory=list)  # evidence mixing: kind, round, step, lam, gain
     span_loss: float = 0.0  # sum of the train losses since the last history point
     span_steps: int = 0
 
@@ -149,12 +150,16 @@ class Peer:
         m = self.manifest
         self.tokenizer = load_tokenizer(m.tokenizer)
         self.data = tokenize_splits(splits, self.tokenizer)
+        agg = m.aggregation
+        if agg.strategy == "worldlm" and agg.mix == "evidence":  # the tune slice: evidence for mixing
+            self.data = hold_out_tune(self.data, fraction=agg.tune_fraction, max_tokens=agg.tune_tokens,
+                                      seq_len=m.train.seq_len, eos_id=self.tokenizer.eos_id)
         if self.data.train.numel() < m.train.seq_len + 1:
             raise DataError(f"data {cfg.data} has {self.data.train.numel()} tokens, fewer than one "
                             f"training window of {m.train.seq_len + 1}")
         self.device = resolve_device(cfg.device)
         self.model = build_model(m.model, vocab_size=self.tokenizer.vocab_size, seed=m.train.seed).to(self.device)
-        data_seed = peer_data_seed(m.train.seed, cfg.region, self.label)
+        data_seed = peer_data_seed(m.train.seed, self.label)
         pv = cfg.privacy
         dp = peer_dp_config(epsilon=pv.peer_epsilon, noise=pv.peer_noise, clip=pv.peer_clip, delta=pv.peer_delta,
                             steps=cfg.max_steps, secure_rng=True)
@@ -293,6 +298,7 @@ class Peer:
                 setattr(s, k, p["stats"][k])
         s.group_sizes = list(p["stats"].get("group_sizes", []))
         s.history = [dict(h) for h in p["stats"].get("history", [])]
+        s.mixes = [dict(h) for h in p["stats"].get("mixes", [])]
         if "world_ref" in p:
             self._world_ref = [t.to("cpu") for t in p["world_ref"]] if p["world_ref"] is not None else None
         if self._border is not None and isinstance(p.get("border"), dict):
@@ -433,6 +439,10 @@ class Peer:
                                                            momentum=self._momentum)
             except ValueError as e:  # e.g. a non-positive attention denominator from a corrupted part
                 result = dataclasses.replace(result, ok=False, averaged=None, error=f"unusable average: {e}")
+        mix = None
+        if result.ok and self.rule.evidence:
+            new, mix = rounds.member_mix(self.rule, own=pre, agreed=agreed, loss_of=self._loss_of())
+            self._record_mix("region", s.round, mix)
         if result.ok:
             self._momentum = momentum
             set_params(self.model, new)
@@ -459,6 +469,7 @@ class Peer:
             logger.warning("round %d: all-reduce failed (%s); keeping the local model", s.round, result.error)
         self._trace(f"round-{s.round:05d}", dict(ok=result.ok, weight=weight, pre=pre, anchor=anchor,
                                                  agreed=self._anchor if result.ok else None,
+                                                 mix_lam=mix.lam if mix is not None else None,
                                                  gathered=result.gathered,
                                                  post=[p.detach().to("cpu", copy=True) for p in
                                                        get_flat_params(self.model)]))
@@ -594,7 +605,10 @@ class Peer:
             return
         w, delta, _, source, ref = known
         params = get_flat_params(self.model)
-        set_params(self.model, [p + d for p, d in zip(params, delta)])
+        adopted, mix = rounds.member_world_mix(self.rule, own=params, change=delta, loss_of=self._loss_of())
+        set_params(self.model, adopted)
+        if self.rule.evidence and self.rule.mix_world:
+            self._record_mix("world", w, mix)
         self._anchor = [a + d for a, d in zip(self._anchor, delta)]
         if self._border is not None and ref is not None:  # the reference of the region's next border delta
             full = list(self._world_ref or self._anchor)
@@ -606,8 +620,25 @@ class Peer:
         self._lease.world_round = max(self._lease.world_round, w)
         self._share_state()
         self._trace(f"world-{w:05d}", dict(delta=delta, world_round=w, anchor=self._anchor, round=s.round,
-                                           leader=source))
+                                           leader=source, before=params, after=adopted,
+                                           mix_lam=mix.lam if mix is not None else None))
         logger.info("adopted world round %d at region round %d", w, s.round)
+
+    def _loss_of(self):
+        """This peer's tune-slice loss of a parameter list (None without a slice: no evidence). It
+        leaves the parameters tried in the model; the caller sets the one it settles on."""
+        if not self.rule.evidence or self.data.tune.numel() < 2:
+            return None
+        return lambda params: self.trainer.tune_loss(params)
+
+    def _record_mix(self, kind: str, index: int, choice) -> None:
+        lam = choice.lam if choice is not None else 0.0
+        gain = choice.gain if choice is not None else 0.0
+        self.stats.mixes.append(dict(kind=kind, round=int(index), step=self.stats.step, lam=lam, gain=gain))
+        logger.info("%s round %d: took %.3g of the %s (tune-slice loss %.4f -> %.4f)", kind, index, lam,
+                    "region's agreed model" if kind == "region" else "world's change",
+                    choice.own_loss if choice is not None else float("nan"),
+                    choice.loss if choice is not None else float("nan"))
 
     def _download_world_change(self, leader) -> tuple[int, list[torch.Tensor], int, str, Any] | None:
         loaded = self._averager.download_state_from(leader.peer_id, timeout=self.manifest.averaging.averaging_timeout)
@@ -665,7 +696,7 @@ class Peer:
                        world_rounds_adopted=s.world_rounds_adopted, rounds_since_world=s.rounds_since_world,
                        bytes_sent_border=s.bytes_sent_border,
                        last_train_loss=s.last_train_loss, group_sizes=list(s.group_sizes),
-                       history=list(s.history)),
+                       history=list(s.history), mixes=list(s.mixes)),
             manifest=self.manifest.to_dict(), label=self.label, peer_id=self.peer_id,
             world_ref=self._world_ref, border=self._border.state_dict() if self._border is not None else None,
         )
@@ -732,6 +763,7 @@ class Peer:
             bytes_sent=s.bytes_sent, bytes_received=s.bytes_received, bytes_sent_border=s.bytes_sent_border,
             world_round=s.world_round, world_rounds_led=s.world_rounds_led, world_rounds_adopted=s.world_rounds_adopted,
             history=list(s.history), inner_steps=self.manifest.train.inner_steps if self.manifest else None,
+            mixes=list(s.mixes),
             epsilon=self._epsilon() if self._epsilon() >= 0 else None,
             border_epsilon=self._border.epsilon() if self._border is not None else None,
             strategy=self.manifest.aggregation.strategy if self.manifest else None,

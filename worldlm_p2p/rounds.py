@@ -28,16 +28,20 @@ reference) and, for ``worldlm``, the residual-embedding exchange (:mod:`.residua
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
-from worldlm_p2p import attention, privacy, residual
+from worldlm_p2p import attention, mixing, privacy, residual
 from worldlm_p2p.aggregation import weighted_mean
 from worldlm_p2p.outer_optim import outer_update
 from worldlm_p2p.split import ParamSplit
 
 FETCH_MIN_WEIGHT = 1e-3  # a leader fetches another region's full residual only above this weight
+EVIDENCE_GRID = mixing.DEFAULT_GRID  # the mixing weights a member tries on its tune slice
+
+#: a member's tune-slice loss of a parameter list (nats per token)
+LossOf = Callable[[list[torch.Tensor]], float]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,8 +60,10 @@ class RoundRule:
     residual_dim: int = 256
     residual_tau: float = 0.1
     residual_beta: float = 0.5
-    personal_tau: float = 0.0  # > 0: each member keeps a personal mix (attention.personalize)
-    personal_scope: str = "all"  # what the personal mix covers: "key" (K) or "all" (B and K)
+    mix: str = "none"  # worldlm: what a member keeps: "evidence" (mixing), "cosine" (personal mix), "none"
+    mix_world: bool = True  # evidence: a member takes a world change only as far as its evidence supports
+    personal_tau: float = 0.0  # the temperature of mix = "cosine" (attention.personalize)
+    personal_scope: str = "all"  # what the cosine mix covers: "key" (K) or "all" (B and K)
     seed: int = 0
 
     @classmethod
@@ -65,13 +71,18 @@ class RoundRule:
         return cls(strategy=agg.strategy, split=split, attention=agg.attention, tau=agg.tau, eps=agg.eps,
                    outer=agg.outer, outer_lr=agg.outer_lr, outer_momentum=agg.outer_momentum,
                    residual=agg.residual, residual_dim=agg.residual_dim, residual_tau=agg.residual_tau,
-                   residual_beta=agg.residual_beta, personal_tau=agg.personal_tau,
-                   personal_scope=agg.personal_scope, seed=seed)
+                   residual_beta=agg.residual_beta, mix=agg.mix, mix_world=agg.mix_world,
+                   personal_tau=agg.personal_tau, personal_scope=agg.personal_scope, seed=seed)
 
     @property
     def localises(self) -> bool:
         """True when K is handled apart from B."""
         return self.strategy in ("worldlm", "fedper")
+
+    @property
+    def evidence(self) -> bool:
+        """True when members mix by evidence on a tune slice (:mod:`worldlm_p2p.mixing`)."""
+        return self.strategy == "worldlm" and self.mix == "evidence"
 
     @property
     def world_group(self) -> bool:
@@ -105,9 +116,10 @@ def region_step(rule: RoundRule, averaged: Sequence[torch.Tensor], *, params: Se
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
     """``(member's next model, region's next agreed model, outer momentum)`` from the averaged
     payload. The agreed model is the next round's common reference, what late joiners download and
-    what the region exports. The member's model equals it, except for ``fedper``'s own K and, with
-    ``personal_tau > 0`` (worldlm), the member's personal mix of K (``personal_scope="key"``) or of
-    the whole model (``"all"``)."""
+    what the region exports. The member's model equals it, except for ``fedper``'s own K and, for
+    worldlm, with ``mix="cosine"`` the member's personal mix of K (``personal_scope="key"``) or of
+    the whole model (``"all"``), and with ``mix="evidence"`` the member's own model ``params``
+    (unchanged: the caller mixes it towards the agreed model with :func:`member_mix`)."""
     n_b = len(rule.backbone(anchor))
     if len(averaged) < n_b:
         raise ValueError(f"averaged payload has {len(averaged)} tensors, fewer than the {n_b} of the backbone")
@@ -121,7 +133,9 @@ def region_step(rule: RoundRule, averaged: Sequence[torch.Tensor], *, params: Se
         return model, [t.clone() for t in model], new_m
     agreed_k = attention.decode_key_layers(averaged[n_b:], rule.split.take_key(anchor), eps=rule.eps)
     agreed = rule.split.merge(new_b, agreed_k)
-    if rule.personal_tau <= 0:
+    if rule.mix == "evidence":
+        return [p.detach().clone() for p in params], agreed, new_m
+    if rule.mix != "cosine":
         return [t.clone() for t in agreed], agreed, new_m
     own_k = attention.personalize(rule.split.take_key(params), rule.split.take_key(anchor), agreed_k,
                                   tau=rule.personal_tau)
@@ -138,25 +152,69 @@ def region_apply(rule: RoundRule, averaged: Sequence[torch.Tensor], *, params: S
     return model, new_m
 
 
+def member_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], agreed: Sequence[torch.Tensor],
+               loss_of: LossOf | None, own_loss: float | None = None
+               ) -> tuple[list[torch.Tensor], mixing.MixChoice | None]:
+    """With ``mix="evidence"``: the member's next model after a region round, its own model moved
+    towards the region's agreed model as far as its tune-slice loss ``loss_of`` supports
+    (:func:`worldlm_p2p.mixing.mix_toward`), and the choice. A member without a tune slice
+    (``loss_of`` None) has no evidence and keeps its own model. ``own_loss``: the slice loss of
+    ``own`` when already known."""
+    if not rule.evidence:
+        raise ValueError(f"member_mix is the evidence rule; this rule mixes by {rule.mix!r}")
+    if loss_of is None:
+        return [t.detach().clone() for t in own], None
+    return mixing.mix_toward(own, agreed, loss_of, grid=EVIDENCE_GRID, own_loss=own_loss)
+
+
+def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Sequence[torch.Tensor],
+                     loss_of: LossOf | None, own_loss: float | None = None
+                     ) -> tuple[list[torch.Tensor], mixing.MixChoice | None]:
+    """A member's model after its region adopts a world round's ``change`` of the region's model
+    (the region's agreed model always takes the whole change). With ``mix="evidence"`` and
+    ``mix_world`` the member adds ``lam * change``, ``lam`` from its tune slice (no slice: 0);
+    otherwise the whole change (rebasing: the local progress made meanwhile is kept)."""
+    if rule.evidence and rule.mix_world:
+        if loss_of is None:
+            return [t.detach().clone() for t in own], None
+        return mixing.mix_change(own, change, loss_of, grid=EVIDENCE_GRID, own_loss=own_loss)
+    return [t + d.to(t.dtype) for t, d in zip(own, change)], None
+
+
 def region_round(rule: RoundRule, members: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], *,
-                 anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None
+                 anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None,
+                 loss_of: Sequence[LossOf | None] | None = None
                  ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor] | None]:
     """The central reference of a whole region round: every member's next model, and the momentum.
 
     This is exactly what the swarm computes, with the all-reduce replaced by :func:`weighted_mean`."""
-    out, new_m, _ = region_round_with_anchor(rule, members, weights, anchor=anchor, momentum=momentum)
+    out, new_m, _ = region_round_with_anchor(rule, members, weights, anchor=anchor, momentum=momentum,
+                                             loss_of=loss_of)
     return out, new_m
 
 
 def region_round_with_anchor(rule: RoundRule, members: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], *,
-                             anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None
+                             anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None,
+                             loss_of: Sequence[LossOf | None] | None = None,
+                             choices: list | None = None
                              ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor] | None, list[torch.Tensor]]:
-    """:func:`region_round` plus the region's new agreed model (see :func:`region_step`)."""
+    """:func:`region_round` plus the region's new agreed model (see :func:`region_step`). With
+    ``mix="evidence"``, ``loss_of[i]`` is member ``i``'s tune-slice loss (None: no slice) and each
+    member's :class:`~worldlm_p2p.mixing.MixChoice` is appended to ``choices`` when given. A member
+    alone in its group has no one to learn from and keeps its own model (choice None), as a swarm
+    peer alone in its region holds no region round."""
     payloads = [region_payload(rule, p, anchor) for p in members]
     averaged = weighted_mean(payloads, weights)
     out, new_m, agreed = [], momentum, None
-    for p in members:
+    for i, p in enumerate(members):
         new, agreed, new_m = region_step(rule, averaged, params=p, anchor=anchor, momentum=momentum)
+        if rule.evidence and len(members) == 1:
+            if choices is not None:
+                choices.append(None)
+        elif rule.evidence:
+            new, choice = member_mix(rule, own=p, agreed=agreed, loss_of=loss_of[i] if loss_of else None)
+            if choices is not None:
+                choices.append(choice)
         out.append(new)
     return out, new_m, agreed
 

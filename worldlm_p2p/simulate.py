@@ -34,12 +34,12 @@ from worldlm_p2p.aggregation import allreduce_traffic, round_weight
 from worldlm_p2p.config import AggregationConfig, ModelConfig, PrivacyConfig, TokenizerSpec, TrainConfig, _require
 from worldlm_p2p.errors import ConfigError, DataError
 from worldlm_p2p.privacy import BorderAccountant
-from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, region_round_with_anchor,
-                               world_round)
+from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, member_world_mix,
+                               region_round_with_anchor, world_round)
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.train.dp import peer_dp_config
-from worldlm_p2p.train import (LocalTrainer, TokenData, bits_per_byte, build_model, get_flat_params, list_corpus,
-                               load_texts, load_tokenizer, peer_data_seed, resolve_device, set_params,
+from worldlm_p2p.train import (LocalTrainer, TokenData, bits_per_byte, build_model, get_flat_params, hold_out_tune,
+                               list_corpus, load_texts, load_tokenizer, peer_data_seed, resolve_device, set_params,
                                tokenize_splits)
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,8 @@ class VirtualPeer:
     bytes_sent_region: int = 0
     bytes_sent_border: int = 0
     last_train_loss: float = math.nan
+    mixes: list = field(default_factory=list)  # evidence: every mixing choice (round, kind, lam, gain)
+    tune_loss: float | None = None  # the tune-slice loss of the model it holds, when known
 
     @property
     def key(self) -> str:
@@ -125,19 +127,23 @@ class Simulator:
         base = build_model(config.model, vocab_size=self.tokenizer.vocab_size, seed=t.seed).to(self.device)
         self.names = [n for n, _ in base.named_parameters()]
         self.peers: list[VirtualPeer] = []
+        agg = config.aggregation
+        evidence = agg.strategy == "worldlm" and agg.mix == "evidence"
         for region, subs in layout.items():
             for sub in subs:
                 data = tokenize_splits(load_texts(sub), self.tokenizer)
+                if evidence:  # the tune slice: training text held apart for the members' evidence
+                    data = hold_out_tune(data, fraction=agg.tune_fraction, max_tokens=agg.tune_tokens,
+                                         seq_len=t.seq_len, eos_id=self.tokenizer.eos_id)
                 if data.train.numel() < t.seq_len + 1:
                     raise DataError(f"{sub}: {data.train.numel()} training tokens, fewer than one window of "
                                     f"{t.seq_len + 1}")
                 model = copy.deepcopy(base)
                 trainer = LocalTrainer(model=model, train=t, data=data, device=self.device,
-                                       seed=peer_data_seed(t.seed, region, sub.name),
+                                       seed=peer_data_seed(t.seed, sub.name),
                                        dp=self._dp_sgd(steps=config.rounds * t.inner_steps))
                 self.peers.append(VirtualPeer(region=region, label=sub.name, data=data, model=model, trainer=trainer))
         self.regions = sorted({p.region for p in self.peers})
-        agg = config.aggregation
         try:
             split = None if agg.strategy == "centralized" else split_parameters(self.names, agg.key_layers)
         except ValueError as e:
@@ -150,7 +156,7 @@ class Simulator:
                                valid_bytes=self.peers[0].data.valid_bytes)
             self.central_model = copy.deepcopy(base)
             self.central = LocalTrainer(model=self.central_model, train=t, data=pooled, device=self.device,
-                                        seed=peer_data_seed(t.seed, "world", "centralized"),
+                                        seed=peer_data_seed(t.seed, "world/centralized"),
                                         dp=self._dp_sgd(steps=config.rounds * t.inner_steps * len(self.peers)))
         self.history: list[dict[str, Any]] = []
         self.world_rounds: list[dict[str, Any]] = []
@@ -159,12 +165,20 @@ class Simulator:
         # the last world model (the same shared part in every region): the reference of border deltas
         self.world_reference = get_flat_params(base)
         self._flat_rounds = 0  # fedavg rounds run under border DP (numbers their noise draws)
+        self._round = 0  # the region round in progress
 
     def _dp_sgd(self, *, steps: int):
         """Every peer's DP-SGD settings (None: off); the target epsilon is calibrated over the run's steps."""
         pv = self.config.privacy
         return peer_dp_config(epsilon=pv.peer_epsilon, noise=pv.peer_noise, clip=pv.peer_clip, delta=pv.peer_delta,
                               steps=steps)
+
+    def _loss_of(self, p: VirtualPeer):
+        """The tune-slice loss of a parameter list for peer ``p`` (None: no slice, no evidence).
+        It leaves the last parameters tried in ``p.model``: the caller sets the model it settles on."""
+        if not self.rule.evidence or p.data.tune.numel() < 2:
+            return None
+        return lambda params: p.trainer.tune_loss(params)
 
     # ------------------------------------------------------------------ groups and leaders
     def _groups(self) -> dict[str, list[VirtualPeer]]:
@@ -185,8 +199,15 @@ class Simulator:
                 new, momenta[name], anchors[name] = self._fedavg_round_with_border_dp(
                     members, params, weights, anchors[name], momenta.get(name))
             else:
+                choices: list = []
                 new, momenta[name], anchors[name] = region_round_with_anchor(
-                    rule, params, weights, anchor=anchors[name], momentum=momenta.get(name))
+                    rule, params, weights, anchor=anchors[name], momentum=momenta.get(name),
+                    loss_of=[self._loss_of(p) for p in members], choices=choices)
+                for p, c in zip(members, choices):
+                    p.tune_loss = c.loss if c is not None else None  # the slice loss of the model it keeps
+                    if c is not None or (rule.evidence and len(members) > 1):  # no slice: took nothing
+                        p.mixes.append(dict(round=self._round, kind="region", lam=c.lam if c else 0.0,
+                                            gain=c.gain if c else 0.0))
             for p, tensors in zip(members, new):
                 set_params(p.model, tensors)
                 p.tokens_since_round = 0
@@ -256,7 +277,13 @@ class Simulator:
             delta = [n - a for n, a in zip(result.models[r], anchors[r])]
             anchors[r] = result.models[r]
             for p in members:
-                set_params(p.model, [t + d for t, d in zip(get_flat_params(p.model), delta)])
+                model, choice = member_world_mix(rule, own=get_flat_params(p.model), change=delta,
+                                                 loss_of=self._loss_of(p), own_loss=p.tune_loss)
+                p.tune_loss = None
+                set_params(p.model, model)
+                if rule.evidence and rule.mix_world:
+                    p.mixes.append(dict(round=index, kind="world", lam=choice.lam if choice else 0.0,
+                                        gain=choice.gain if choice else 0.0))
                 p.tokens_since_world = 0
         self.world_rounds.append(dict(round=index, weights=result.weights, fetched=result.fetched,
                                       **(dict(released=released) if released else {})))
@@ -273,7 +300,7 @@ class Simulator:
                                 bits_per_byte=bits_per_byte(loss, bytes_per_token=p.data.valid_bytes_per_token),
                                 tokens=self._central_tokens if self.central is not None else p.tokens,
                                 bytes_sent_region=p.bytes_sent_region,
-                                bytes_sent_border=p.bytes_sent_border)
+                                bytes_sent_border=p.bytes_sent_border, **_mix_summary(p.mixes))
         regions = {}
         for r in self.regions:
             vals = [v for v in peers.values() if v["region"] == r]
@@ -324,6 +351,7 @@ class Simulator:
                 for i, p in enumerate(self.peers):
                     if self.should_stop():
                         raise KeyboardInterrupt
+                    p.tune_loss = None  # it trains on: its slice loss is no longer known
                     for _ in range(H):
                         res = p.trainer.train_step(p.step)
                         p.step += 1
@@ -332,6 +360,7 @@ class Simulator:
                         p.tokens_since_world += res.tokens
                         p.last_train_loss = res.loss
                     self.on_progress((r - 1) * H * len(self.peers) + (i + 1) * H, total)
+                self._round = r
                 if self.rule.strategy != "local":
                     self._region_rounds(anchors, momenta)
                     if self.rule.has_world_rounds and r % cfg.aggregation.world_every == 0:
@@ -349,7 +378,19 @@ class Simulator:
             key_layers=list(self.rule.split.key_names) if self.rule is not None and self.rule.split else [],
             regions=final["regions"], world=final["world"], peers=final["peers"], tokens=final["tokens"],
             history=self.history, world_rounds=self.world_rounds, wall_seconds=time.monotonic() - t0,
+            mixes={p.key: p.mixes for p in self.peers if p.mixes},
         )
+
+
+def _mix_summary(mixes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean mixing weight a peer chose in region and world rounds, and how often it took any."""
+    out: dict[str, Any] = {}
+    for kind in ("region", "world"):
+        lams = [m["lam"] for m in mixes if m["kind"] == kind]
+        if lams:
+            out[f"mix_{kind}"] = dict(mean_lam=sum(lams) / len(lams), taken=sum(1 for x in lams if x > 0),
+                                      rounds=len(lams))
+    return out
 
 
 def simulate(config: SimConfig, *, on_progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:

@@ -46,8 +46,16 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--no-residual", action="store_true", help="no residual-embedding exchange in world rounds")
     p.add_argument("--residual-beta", type=float, help="step towards similar regions' key layers (default 0.5)")
     p.add_argument("--residual-tau", type=float, help="temperature of the cross-region attention (default 0.1)")
-    p.add_argument("--personal-tau", type=float, help="> 0: members keep a personal mix of their own and the region's update (default 0.1; 0: off)")
-    p.add_argument("--personal-scope", help="what the personal mix covers: key or all (default all)")
+    p.add_argument("--mix", help="what a worldlm member keeps after a round: evidence (its own model moved towards "
+                                 "the region's and the world's only as far as its tune-slice loss supports), cosine "
+                                 "(the personal mix by update cosine) or none (adopt the agreed model) (default evidence)")
+    p.add_argument("--no-mix-world", action="store_true",
+                   help="with --mix evidence: members take every world change whole (only region rounds are mixed)")
+    p.add_argument("--tune-fraction", type=float, help="share of each peer's training tokens held apart as its "
+                                                       "tune slice for --mix evidence (default 0.05)")
+    p.add_argument("--tune-tokens", type=int, help="at most this many tokens in a tune slice (default 2048)")
+    p.add_argument("--personal-tau", type=float, help="temperature of --mix cosine (default 0.1)")
+    p.add_argument("--personal-scope", help="what --mix cosine covers: key or all (default all)")
     p.add_argument("--outer", help="outer optimizer: sgd or nesterov (default sgd)")
     p.add_argument("--outer-lr", type=float, help="outer learning rate (default 1.0)")
     p.add_argument("--outer-momentum", type=float, help="Nesterov momentum (default 0.9)")
@@ -79,6 +87,8 @@ def _overrides(args) -> dict[str, dict]:
                                ("tau", "aggregation", "tau"), ("eps", "aggregation", "eps"),
                                ("residual_beta", "aggregation", "residual_beta"),
                                ("residual_tau", "aggregation", "residual_tau"), ("outer", "aggregation", "outer"),
+                               ("mix", "aggregation", "mix"), ("tune_fraction", "aggregation", "tune_fraction"),
+                               ("tune_tokens", "aggregation", "tune_tokens"),
                                ("personal_tau", "aggregation", "personal_tau"),
                                ("personal_scope", "aggregation", "personal_scope"),
                                ("outer_lr", "aggregation", "outer_lr"),
@@ -88,6 +98,8 @@ def _overrides(args) -> dict[str, dict]:
             o[section][key] = value
     if args.no_residual:
         o["aggregation"]["residual"] = False
+    if args.no_mix_world:
+        o["aggregation"]["mix_world"] = False
     return o
 
 

@@ -8,7 +8,7 @@ It knows nothing about peers or networking and never imports hivemind.
   :func:`autocast_context`.
 - ``data``: :func:`load_texts` (corpus leaf / text dir / saved ``datasets`` dir / single file),
   :func:`tokenize_splits`, :func:`sample_batch` (pure function of seed and step),
-  :func:`eval_batches`, :func:`demo_data_dir`, :func:`list_corpus`.
+  :func:`eval_batches`, :func:`hold_out_tune` (the tune slice for evidence), :func:`demo_data_dir`, :func:`list_corpus`.
 - ``trainer``: :class:`LocalTrainer` (AdamW, warmup, clipping, bf16 autocast on CUDA),
   :func:`get_flat_params` / :func:`set_params` for the averaging layer.
 - ``dp``: :class:`DPSGDConfig` (``LocalTrainer(..., dp=DPSGDConfig(...))`` runs DP-SGD with Opacus:
@@ -23,6 +23,7 @@ from worldlm_p2p.train.data import (
     TokenData,
     demo_data_dir,
     eval_batches,
+    hold_out_tune,
     list_corpus,
     load_texts,
     peer_data_seed,
@@ -64,6 +65,7 @@ __all__ = [
     "sample_batch",
     "peer_data_seed",
     "eval_batches",
+    "hold_out_tune",
     "demo_data_dir",
     "list_corpus",
     "LocalTrainer",

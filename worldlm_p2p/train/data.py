@@ -21,7 +21,7 @@ import hashlib
 import logging
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,10 @@ __all__ = [
     "eval_batches",
     "demo_data_dir",
     "list_corpus",
+    "read_grouping",
     "stream_summary",
     "check_stream_length",
+    "hold_out_tune",
 ]
 
 #: Share of documents held out (from the end) when a source has no validation split.
@@ -76,6 +78,9 @@ class TokenData:
     valid: torch.Tensor
     train_bytes: int
     valid_bytes: int
+    #: training text held apart for evidence (never trained on, never the evaluation text): see
+    #: :func:`hold_out_tune`; empty when none was taken
+    tune: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     @property
     def valid_bytes_per_token(self) -> float:
@@ -277,6 +282,30 @@ def tokenize_splits(splits: TextSplits, tokenizer: Tokenizer, *, seq_len: int | 
     return data
 
 
+def hold_out_tune(data: TokenData, *, fraction: float, max_tokens: int, seq_len: int,
+                  eos_id: int | None = None) -> TokenData:
+    """Move the tail of the training stream into ``data.tune``: ``fraction`` of its tokens, at most
+    ``max_tokens`` and at least one window of ``seq_len + 1``, starting after a document boundary
+    (``eos_id``) when there is one in the first half of the tail, so that no document is split between the two. The
+    rest stays the training stream. When the stream is too short to leave two windows to train on,
+    nothing is taken (``tune`` stays empty) and a warning says so."""
+    if not 0 < fraction < 1 or max_tokens <= 0 or seq_len <= 0:
+        raise ConfigError(f"hold_out_tune: fraction {fraction} must lie in (0, 1), max_tokens {max_tokens} and "
+                          f"seq_len {seq_len} must be positive")
+    n = int(data.train.numel())
+    want = max(seq_len + 1, min(int(max_tokens), int(n * fraction)))
+    if n - want < 2 * (seq_len + 1):
+        logger.warning("training text of %d tokens is too short to hold a tune slice apart (needs %d): this peer "
+                       "mixes without evidence of its own", n, want + 2 * (seq_len + 1))
+        return data
+    start = n - want
+    hits = (torch.nonzero(data.train[start:start + want // 2] == eos_id).flatten() if eos_id is not None
+            else torch.zeros(0, dtype=torch.long))
+    if hits.numel() and (n - (start + int(hits[0]) + 1)) >= seq_len + 1:
+        start += int(hits[0]) + 1
+    return replace(data, train=data.train[:start].clone(), tune=data.train[start:].clone())
+
+
 def check_stream_length(tokens: torch.Tensor, seq_len: int, *, what: str) -> None:
     """Raise DataError unless ``tokens`` is a 1-D stream of at least ``seq_len + 1`` tokens."""
     if seq_len <= 0:
@@ -297,10 +326,11 @@ def batch_generator(*, seed: int, step: int) -> torch.Generator:
     return g
 
 
-def peer_data_seed(seed: int, region: str, label: str) -> int:
-    """The seed of a peer's batch stream: a function of the run seed, its region and its label, so
-    the swarm and the simulator draw the same batches for the same peer."""
-    return zlib.crc32(f"{seed}/{region}/{label}".encode())
+def peer_data_seed(seed: int, label: str) -> int:
+    """The seed of a peer's batch stream: a function of the run seed and the peer's label (its
+    sub-corpus name), so the swarm and the simulator draw the same batches for the same peer. The
+    region plays no part: a peer trained alone draws the same batches whichever region it is in."""
+    return zlib.crc32(f"{seed}/{label}".encode())
 
 
 def sample_batch(
@@ -368,8 +398,12 @@ def demo_data_dir() -> Path:
 def list_corpus(root: str | Path) -> dict[str, list[Path]]:
     """Map region -> sorted sub-corpus directories of a federated corpus ``root``
     (``<region>/<sub_corpus>/train.txt``). Files at the top level (README, manifest) and hidden
-    entries are ignored. Raises DataError if the layout is wrong."""
+    entries are ignored. ``root`` may also be a grouping file (``.toml``, :func:`read_grouping`)
+    that regroups the sub-corpora of a corpus into other regions without copying any text.
+    Raises DataError if the layout is wrong."""
     root = Path(root).expanduser()
+    if root.is_file() and root.suffix.lower() == ".toml":
+        return read_grouping(root)
     if not root.is_dir():
         what = "does not exist" if not root.exists() else "is not a directory"
         raise DataError(f"corpus root {root} {what}")
@@ -391,6 +425,59 @@ def list_corpus(root: str | Path) -> dict[str, list[Path]]:
         layout[region_dir.name] = subs
     if not layout:
         raise DataError(f"corpus root {root} has no region directories (<region>/<sub_corpus>/train.txt)")
+    return layout
+
+
+def read_grouping(path: str | Path, *, root: str | Path | None = None) -> dict[str, list[Path]]:
+    """A grouping file: regions made of sub-corpora of a federated corpus, by reference.
+
+    TOML with ``root`` (the corpus, relative to the file's directory unless absolute; ``root``
+    here, or the environment variable ``WORLDLM_CORPUS_ROOT``, overrides it) and a ``[regions]``
+    table mapping each region to a list of sub-corpus directories under the root, e.g.
+    ``eu = ["eu/de_news-reviews-wiki", "asia/ja_news-blog"]``. Every sub-corpus must exist
+    (``train.txt``) and may appear once. Returns region -> sub-corpus directories, regions in
+    sorted order, sub-corpora in the file's order."""
+    import os
+    import tomllib
+
+    path = Path(path).expanduser()
+    try:
+        with path.open("rb") as f:
+            spec = tomllib.load(f)
+    except OSError as e:
+        raise DataError(f"cannot read grouping file {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise DataError(f"grouping file {path} is not valid TOML: {e}") from None
+    regions = spec.get("regions")
+    if not isinstance(regions, dict) or not regions:
+        raise DataError(f"grouping file {path} has no [regions] table (region = [\"<region>/<sub_corpus>\", ...])")
+    base = root if root is not None else os.environ.get("WORLDLM_CORPUS_ROOT") or spec.get("root")
+    if not isinstance(base, (str, Path)) or not str(base):
+        raise DataError(f"grouping file {path} names no corpus root (root = \"...\")")
+    base = Path(base).expanduser()
+    if not base.is_absolute():
+        base = (path.parent / base).resolve()
+    if not base.is_dir():
+        raise DataError(f"grouping file {path}: corpus root {base} is not a directory")
+    layout: dict[str, list[Path]] = {}
+    seen: set[Path] = set()
+    for region in sorted(regions):
+        try:
+            check_name("region", region)
+        except ConfigError:
+            raise DataError(f"grouping file {path}: {region!r} is not a valid region name "
+                            "(letters, digits, '_', '-')") from None
+        subs = regions[region]
+        if not isinstance(subs, list) or not subs or not all(isinstance(x, str) and x for x in subs):
+            raise DataError(f"grouping file {path}: region {region!r} must list one or more sub-corpus paths")
+        for rel in subs:
+            sub = (base / rel).resolve()
+            if not (sub / "train.txt").is_file():
+                raise DataError(f"grouping file {path}: region {region!r}: {rel} has no train.txt under {base}")
+            if sub in seen:
+                raise DataError(f"grouping file {path}: sub-corpus {rel} appears twice")
+            seen.add(sub)
+            layout.setdefault(region, []).append(sub)
     return layout
 
 

@@ -187,6 +187,31 @@ class LocalTrainer:
             return math.nan
         return total / count
 
+    @torch.no_grad()
+    def tune_loss(self, params: Sequence[torch.Tensor] | None = None) -> float:
+        """Mean cross-entropy (nats/token) on the tune slice (``data.tune``, training text held apart
+        for evidence: see :func:`~worldlm_p2p.train.data.hold_out_tune`), of the model as it is or,
+        with ``params``, of those parameters (loaded into the model, which keeps them: the caller
+        sets the model it settles on). NaN when there is no tune slice. Deterministic: the same
+        windows every time."""
+        if params is not None:
+            set_params(self.model, params)
+        if self.data.tune.numel() < 2:
+            return math.nan
+        cfg = self.train_cfg
+        was_training = self.model.training
+        self.model.eval()
+        total, count = 0.0, 0
+        try:
+            for x, y in eval_batches(self.data.tune, seq_len=cfg.seq_len, batch_size=max(cfg.batch_size, 32),
+                                     max_tokens=0):
+                x, y = x.to(self.device), y.to(self.device)
+                total += float(self._loss(x, y, reduction="sum"))
+                count += y.numel()
+        finally:
+            self.model.train(was_training)
+        return total / count if count else math.nan
+
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """A snapshot of the optimizer state as CPU copies (model parameters are saved by the caller).
