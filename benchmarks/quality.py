@@ -1,176 +1,349 @@
 #!/usr/bin/env python
-"""Quality benchmark: WorldLM against its baselines and its own ablations, at two token budgets.
+"""Quality benchmark: does collaboration pay, on corpora nobody tuned for? (issue 10)
 
-Every variant is one ``worldlm-simulate`` run (same corpus, model, seed, batch and number of local
-steps, hence the same token budget; ``centralized`` trains one model on the pooled data for the
-same number of tokens). Each run is evaluated after ``--short-rounds`` and after ``--rounds``
-region rounds (the short budget is a third of the long one by default): local models overfit
-small data as training goes on while federated ones keep improving, so one budget can mislead.
+Every run is one ``worldlm-simulate`` invocation with the product's defaults (nothing here is tuned
+per corpus). For each corpus (a grouping file under ``benchmarks/corpora/``: regions made of
+sub-corpora of ``../shared/data/corpus``, by reference) and each budget (short: 6 rounds x 10 local
+steps; long: 40 rounds x 25 local steps), it runs:
 
-Reported: per-region perplexity (per token; with the default byte tokenizer a token is a UTF-8
-byte, so this is per-byte perplexity) and bits per byte, means over each region's peers on their
-own held-out text, and the ratios ``X / worldlm`` ("worldlm is r times lower than X").
+- ``worldlm`` and ``local`` with 3 seeds (mean and spread), ``centralized``, ``fedavg``,
+  ``hierfavg`` and ``fedper`` with seed 0;
+- on the ablation corpora (``--ablation-corpora``, default ``scripts`` and ``related``), with 3 seeds,
+  the ablations of WorldLM's mechanisms: ``mix-none`` (members adopt the region's agreed model: the
+  paper's WorldLM, no evidence), ``K-mean`` (plain mean instead of attention for the key layers
+  inside a region) and ``no-residual`` (no residual-embedding exchange of key layers between
+  leaders); on request (``--ablations``) also ``mix-cosine`` (the earlier personal mix by update
+  cosine) and ``no-mix-world`` (world changes taken whole).
 
-Variants:
-- strategies: worldlm, fedavg, hierfavg, fedper, local, centralized;
-- ablations of worldlm: plain mean for K (``attention=mean``), no residual embeddings and a
-  residual temperature of 1 (more sharing across regions), other key
-  layers (``last30``, ``embed_head``), the other outer optimizer, the personal mix over K only,
-  and no personal mix (members adopt the region's agreed model, as in the paper).
+``local`` does not depend on the grouping (a peer's batch stream is a function of the seed and its
+sub-corpus only), so it runs once per seed on every sub-corpus the corpora use, and each corpus
+reads its peers' results from that run.
+
+Reported per corpus and budget: each strategy's region perplexities and their geometric mean over
+regions (the region mean), worldlm against local per region and per peer (mean over seeds, with
+the seed spread: the sample standard deviation, and "worse" only where worldlm's mean exceeds
+local's by more than the larger of the two spreads), and every ratio against worldlm. Perplexity is
+per token; with the default byte tokenizer a token is a UTF-8 byte.
 
 Usage::
 
-    python benchmarks/quality.py [--data ../shared/data/corpus] [--jobs 2] [--out benchmarks/out/quality.json]
+    python benchmarks/quality.py                    # the full study (see README: about 3 h here)
+    python benchmarks/quality.py --quick            # for iteration: 2 corpora, 20 rounds, 2 seeds
+    python benchmarks/quality.py --workdir DIR      # keep every run's JSON in DIR and reuse them
 
-Prints a Markdown report and writes it next to ``--out`` (``.md``) with the raw results. Each run
-uses one torch thread; ``--jobs`` runs go in parallel (this machine has 2 cores).
+Each run uses one torch thread; ``--jobs`` runs go in parallel (this machine has 2 cores).
+Writes ``--out`` (raw results) and the tables next to it (``.md``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+CORPORA_DIR = REPO / "benchmarks" / "corpora"
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "corpus"
-STRATEGIES = ["worldlm", "fedavg", "hierfavg", "fedper", "local", "centralized"]
+CORPORA = ("scripts", "mixed", "related", "today", "random")
+BASELINES = ("centralized", "fedavg", "hierfavg", "fedper")
+ABLATIONS = {
+    "mix-none": ["--mix", "none"],
+    "mix-cosine": ["--mix", "cosine"],
+    "no-mix-world": ["--no-mix-world"],
+    "K-mean": ["--attention", "mean"],
+    "no-residual": ["--no-residual"],
+}
+DEFAULT_ABLATIONS = ("mix-none", "K-mean", "no-residual")  # the others on request (--ablations)
 
 
-def variants(args) -> list[tuple[str, list[str]]]:
-    """(name, extra simulate flags). The worldlm defaults are the run manifest's defaults."""
-    v = [(s, ["--strategy", s]) for s in STRATEGIES]
-    other_outer = ["--outer", "sgd", "--outer-lr", "1.0"] if args.outer == "nesterov" else [
-        "--outer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
-    v += [
-        ("worldlm:K-mean", ["--strategy", "worldlm", "--attention", "mean"]),
-        ("worldlm:no-residual", ["--strategy", "worldlm", "--no-residual"]),
-        ("worldlm:residual-tau-1", ["--strategy", "worldlm", "--residual-tau", "1.0"]),
-        ("worldlm:K-last30", ["--strategy", "worldlm", "--key-layers", "last30"]),
-        ("worldlm:K-embed_head", ["--strategy", "worldlm", "--key-layers", "embed_head"]),
-        (f"worldlm:outer-{'sgd' if args.outer == 'nesterov' else 'nesterov'}", ["--strategy", "worldlm", *other_outer]),
-        ("worldlm:personal-K-only", ["--strategy", "worldlm", "--personal-scope", "key"]),
-        ("worldlm:no-personal", ["--strategy", "worldlm", "--personal-tau", "0"]),
-    ]
-    if args.only:
-        wanted = set(args.only.split(","))
-        unknown = wanted - {name for name, _ in v}
-        if unknown:
-            sys.exit(f"quality.py: error: unknown variant(s) {', '.join(sorted(unknown))}")
-        v = [x for x in v if x[0] in wanted]
-    return v
+@dataclass(frozen=True)
+class Budget:
+    name: str
+    rounds: int
+    local_steps: int
 
 
-def common_flags(args) -> list[str]:
-    flags = ["--data", str(args.data), "--model", args.model, "--rounds", str(args.rounds),
-             "--local-steps", str(args.local_steps), "--world-every", str(args.world_every), "--seed", str(args.seed),
-             "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
-             "--eval-tokens", str(args.eval_tokens), "--eval-rounds", str(args.short_rounds), "--threads", "1",
-             "--device", "cpu"]
-    if args.outer == "nesterov":
-        flags += ["--outer", "nesterov", "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)]
-    return flags + list(args.extra)
+@dataclass(frozen=True)
+class Run:
+    corpus: str  # a corpus name, or "_subcorpora" for the local runs
+    budget: Budget
+    variant: str  # worldlm, local, a baseline, or worldlm:<ablation>
+    seed: int
+    flags: tuple[str, ...] = field(default=())
+
+    @property
+    def name(self) -> str:
+        return f"{self.corpus}.{self.budget.name}.{self.variant.replace(':', '_')}.s{self.seed}"
 
 
-def run_variant(name: str, flags: list[str], args, workdir: Path) -> dict[str, Any]:
-    out = workdir / (name.replace(":", "_") + ".json")
-    log = workdir / (name.replace(":", "_") + ".log")
-    cmd = [sys.executable, "-m", "worldlm_p2p.cli.simulate", *common_flags(args), *flags, "--out", str(out)]
+def plan(args) -> list[Run]:
+    budgets = args.budgets
+    seeds = list(range(args.seeds))
+    runs: list[Run] = []
+    for b in budgets:
+        runs += [Run("_subcorpora", b, "local", s, ("--strategy", "local")) for s in seeds]
+        for c in args.corpora:
+            runs += [Run(c, b, "worldlm", s, ("--strategy", "worldlm")) for s in seeds]
+            runs += [Run(c, b, v, 0, ("--strategy", v)) for v in BASELINES if v in args.baselines]
+            if c in args.ablation_corpora:
+                for a in args.ablations:
+                    runs += [Run(c, b, f"worldlm:{a}", s, ("--strategy", "worldlm", *ABLATIONS[a])) for s in seeds]
+    # the runs that do not depend on WorldLM's own rules first (a changed rule reruns only the
+    # worldlm runs of a --workdir), then the longest first, so that the pool's tail is short
+    return sorted(runs, key=lambda r: (r.variant.startswith("worldlm"),
+                                       -r.budget.rounds * r.budget.local_steps * args.peers.get(r.corpus, 1)))
+
+
+def union_grouping(corpora: list[str], workdir: Path, root: Path) -> Path:
+    """Every sub-corpus the corpora use, each its own region (for the local runs)."""
+    from worldlm_p2p.train.data import read_grouping
+
+    subs: dict[str, Path] = {}
+    for c in corpora:
+        for paths in read_grouping(CORPORA_DIR / f"{c}.toml", root=root).values():
+            for p in paths:
+                subs[p.name] = p.relative_to(root.resolve())
+    lines = [f"root = {json.dumps(str(root.resolve()))}", "", "[regions]"]
+    lines += [f'{name} = ["{rel.as_posix()}"]' for name, rel in sorted(subs.items())]
+    path = workdir / "_subcorpora.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_one(run: Run, args, workdir: Path) -> dict[str, Any]:
+    out = workdir / f"{run.name}.json"
+    if out.is_file():
+        res = json.loads(out.read_text())
+        res["reused"] = True
+        return res
+    data = workdir / "_subcorpora.toml" if run.corpus == "_subcorpora" else CORPORA_DIR / f"{run.corpus}.toml"
+    cmd = [sys.executable, "-m", "worldlm_p2p.cli.simulate", "--data", str(data), "--model", args.model,
+           "--rounds", str(run.budget.rounds), "--local-steps", str(run.budget.local_steps),
+           "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--eval-tokens", str(args.eval_tokens),
+           "--seed", str(run.seed), "--threads", "1", "--device", "cpu", "--no-report", *run.flags,
+           "--out", str(out.with_suffix(".tmp.json"))]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    if args.corpus_root:
+        env["WORLDLM_CORPUS_ROOT"] = str(args.corpus_root)
     t0 = time.monotonic()
+    log = workdir / f"{run.name}.log"
     with log.open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     if proc.returncode != 0:
         tail = log.read_text().strip().splitlines()[-3:]
-        raise RuntimeError(f"{name} failed (exit {proc.returncode}): {' | '.join(tail)}")
-    res = json.loads(out.read_text())
-    res["variant"], res["command"] = name, " ".join(cmd[1:])
-    print(f"  {name}: done in {time.monotonic() - t0:.0f} s", flush=True)
+        raise RuntimeError(f"{run.name} failed (exit {proc.returncode}): {' | '.join(tail)}")
+    res = json.loads(out.with_suffix(".tmp.json").read_text())
+    res["command"] = "worldlm-simulate " + " ".join(cmd[3:-2])
+    out.write_text(json.dumps(res))
+    out.with_suffix(".tmp.json").unlink()
+    print(f"  {run.name}: {time.monotonic() - t0:.0f} s", flush=True)
     return res
 
 
-def snapshot(res: dict[str, Any], rounds: int) -> dict[str, Any]:
-    return next(h for h in res["history"] if h["round"] == rounds)
+# ------------------------------------------------------------------------------ tables
 
 
-def report(results: dict[str, dict[str, Any]], args) -> str:
-    regions = sorted(next(iter(results.values()))["regions"])
-    lines: list[str] = []
-    for budget in (args.short_rounds, args.rounds):
-        snaps = {n: snapshot(r, budget) for n, r in results.items()}
-        tokens = max(s["tokens"] for s in snaps.values())
-        lines += [f"### Budget: {budget} rounds x {args.local_steps} steps ({tokens:,} training tokens in all)", "",
-                  "| variant | " + " | ".join(f"{r} ppl" for r in regions) + " | region mean ppl | world bits/byte |",
-                  "|---|" + "---:|" * (len(regions) + 2)]
-        for n, s in snaps.items():
-            mean_ppl = sum(s["regions"][r]["perplexity"] for r in regions) / len(regions)
-            lines.append(f"| {n} | " + " | ".join(f"{s['regions'][r]['perplexity']:.3f}" for r in regions)
-                         + f" | {mean_ppl:.3f} | {s['world']['bits_per_byte']:.4f} |")
-        if "worldlm" in snaps:
-            w = snaps["worldlm"]
-            w_mean = sum(w["regions"][r]["perplexity"] for r in regions) / len(regions)
-            lines += ["", "| worldlm vs | region mean ppl ratio (X / worldlm) | "
-                      + " | ".join(f"{r}" for r in regions) + " |", "|---|---:|" + "---:|" * len(regions)]
-            for n, s in snaps.items():
-                if n == "worldlm":
-                    continue
-                mean = sum(s["regions"][r]["perplexity"] for r in regions) / len(regions)
-                lines.append(f"| {n} | {mean / w_mean:.3f}x | " + " | ".join(
-                    f"{s['regions'][r]['perplexity'] / w['regions'][r]['perplexity']:.3f}x" for r in regions) + " |")
-        lines.append("")
-    return "\n".join(lines)
+def geo(values) -> float:
+    values = list(values)
+    if any(v is None or not math.isfinite(v) for v in values):
+        return math.inf
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def peer_ppl(res: dict[str, Any]) -> dict[str, float]:
+    return {k: (v["perplexity"] if v["perplexity"] is not None else math.inf) for k, v in res["peers"].items()}
+
+
+def local_for(corpus_layout: dict[str, list[str]], local_res: dict[str, Any]) -> dict[str, float]:
+    """The corpus's peers' perplexities read off a local run on every sub-corpus."""
+    by_label = {k.split("/", 1)[1]: v for k, v in peer_ppl(local_res).items()}
+    return {f"{r}/{label}": by_label[label] for r, labels in corpus_layout.items() for label in labels}
+
+
+def region_ppl(layout: dict[str, list[str]], peers: dict[str, float]) -> dict[str, float]:
+    return {r: statistics.fmean(peers[f"{r}/{label}"] for label in labels) for r, labels in layout.items()}
+
+
+def fmt(x: float, digits: int = 3) -> str:
+    return "diverged" if not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def corpus_tables(corpus: str, budget: Budget, layout, results: dict[str, dict[int, dict]], args) -> tuple[list[str], dict]:
+    """Markdown for one corpus and budget, and its summary figures."""
+    regions = sorted(layout)
+    per_variant: dict[str, dict[int, dict[str, float]]] = {}  # variant -> seed -> region -> ppl
+    peers_of: dict[str, dict[int, dict[str, float]]] = {}
+    for variant, by_seed in results.items():
+        for seed, res in by_seed.items():
+            peers = local_for(layout, res) if variant == "local" else peer_ppl(res)
+            peers_of.setdefault(variant, {})[seed] = peers
+            per_variant.setdefault(variant, {})[seed] = region_ppl(layout, peers)
+    lines = [f"#### {corpus}, {budget.name} budget ({budget.rounds} rounds x {budget.local_steps} steps)", "",
+             "| variant | seeds | " + " | ".join(regions) + " | region mean (geometric) |",
+             "|---|---:|" + "---:|" * (len(regions) + 1)]
+    summary: dict[str, Any] = {}
+    order = ["worldlm", "local", *BASELINES, *[f"worldlm:{a}" for a in ABLATIONS]]
+    for v in [x for x in order if x in per_variant]:
+        seeds = sorted(per_variant[v])
+        cells = []
+        for r in regions:
+            m, sd = mean_sd([per_variant[v][s][r] for s in seeds])
+            cells.append(fmt(m) + (f" ± {sd:.3f}" if len(seeds) > 1 else ""))
+        gm, gsd = mean_sd([geo(per_variant[v][s].values()) for s in seeds])
+        summary[v] = dict(region_mean=gm, region_mean_sd=gsd, seeds=len(seeds),
+                          regions={r: mean_sd([per_variant[v][s][r] for s in seeds])[0] for r in regions})
+        lines.append(f"| {v} | {len(seeds)} | " + " | ".join(cells) + f" | {fmt(gm)}"
+                     + (f" ± {gsd:.3f}" if len(seeds) > 1 else "") + " |")
+    if "worldlm" in per_variant and "local" in per_variant:
+        lines += ["", "worldlm against local (mean over seeds; ratio < 1: worldlm better; 'worse' only beyond the "
+                  "larger seed spread):", "", "| region | worldlm | local | ratio | verdict |", "|---|---:|---:|---:|---|"]
+        worse, better = [], []
+        for r in regions:
+            w = mean_sd([per_variant["worldlm"][s][r] for s in per_variant["worldlm"]])
+            lo = mean_sd([per_variant["local"][s][r] for s in per_variant["local"]])
+            spread = max(w[1], lo[1])
+            verdict = "worse" if w[0] - lo[0] > spread else ("better" if w[0] < lo[0] else "level (within spread)")
+            (worse if verdict == "worse" else better if verdict == "better" else []).append(r)
+            lines.append(f"| {r} | {w[0]:.3f} ± {w[1]:.3f} | {lo[0]:.3f} ± {lo[1]:.3f} | {w[0] / lo[0]:.3f} | {verdict} |")
+        peer_keys = sorted(next(iter(peers_of["worldlm"].values())))
+        pw = sum(1 for k in peer_keys if statistics.fmean(peers_of["worldlm"][s][k] for s in peers_of["worldlm"])
+                 < statistics.fmean(peers_of["local"][s][k] for s in peers_of["local"]))
+        gain = 1 - summary["worldlm"]["region_mean"] / summary["local"]["region_mean"]
+        lines += ["", f"Regions better than local: {len(better)} of {len(regions)}; worse beyond the seed spread: "
+                  f"{', '.join(worse) or 'none'}. Peers better than local: {pw} of {len(peer_keys)}. Region mean: "
+                  f"worldlm {gain * 100:+.1f}% against local (target: at least 5% lower)."]
+        summary["against_local"] = dict(regions_better=len(better), regions=len(regions), regions_worse=worse,
+                                        peers_better=pw, peers=len(peer_keys), region_mean_gain=gain)
+    if "worldlm" in summary:
+        w = summary["worldlm"]["region_mean"]
+        lines += ["", "| X | region mean X / worldlm |", "|---|---:|"]
+        for v, s in summary.items():
+            if v in ("worldlm", "against_local"):
+                continue
+            lines.append(f"| {v} | {fmt(s['region_mean'] / w)}x |")
+    return lines + [""], summary
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", type=Path, default=SHARED_CORPUS if SHARED_CORPUS.is_dir() else None,
-                   help="federated corpus (default ../shared/data/corpus, else the bundled demo slice)")
+    p.add_argument("--quick", action="store_true", help="for iteration: 2 corpora (scripts, related), the short budget "
+                                                        "and 20 rounds x 25 steps, 2 seeds, baselines fedavg and "
+                                                        "hierfavg, the mix-none ablation on related (about 17 min here)")
+    p.add_argument("--corpora", default=None, help=f"comma-separated, of {', '.join(CORPORA)} (default all)")
+    p.add_argument("--ablation-corpora", default=None, help="corpora that get the ablations (default scripts,related)")
+    p.add_argument("--ablations", default=",".join(DEFAULT_ABLATIONS),
+                   help=f"which ablations, of {', '.join(ABLATIONS)} (default {','.join(DEFAULT_ABLATIONS)})")
+    p.add_argument("--baselines", default=",".join(BASELINES), help="which single-seed baselines (default all)")
+    p.add_argument("--seeds", type=int, default=None, help="seeds of worldlm, local and the ablations (default 3)")
+    p.add_argument("--long-rounds", type=int, default=None, help="long budget in region rounds (default 40)")
     p.add_argument("--model", default="tiny")
-    p.add_argument("--rounds", type=int, default=18, help="long budget in region rounds (default 18)")
-    p.add_argument("--short-rounds", type=int, help="short budget (default rounds // 3)")
-    p.add_argument("--local-steps", type=int, default=10)
-    p.add_argument("--world-every", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--outer", default="sgd", choices=["sgd", "nesterov"], help="outer optimizer of every variant")
-    p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
-    p.add_argument("--eval-tokens", type=int, default=4096)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-tokens", type=int, default=8192)
+    p.add_argument("--corpus-root", type=Path, default=None,
+                   help="where the corpus of the grouping files lies (default ../shared/data/corpus)")
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--only", help="comma-separated variant names")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "quality.json")
-    p.add_argument("extra", nargs="*", help="extra worldlm-simulate flags for every run (after --)")
+    p.add_argument("--workdir", type=Path, default=None, help="keep (and reuse) every run's results here")
+    p.add_argument("--out", type=Path, default=None, help="raw results (default benchmarks/out/quality[-quick].json)")
     args = p.parse_args()
-    if args.data is None:
-        from worldlm_p2p.train import demo_data_dir
+    args.corpora = (args.corpora or ("scripts,related" if args.quick else ",".join(CORPORA))).split(",")
+    args.ablation_corpora = (args.ablation_corpora or ("related" if args.quick else "scripts,related")).split(",")
+    if args.quick and args.ablations == ",".join(DEFAULT_ABLATIONS):
+        args.ablations = "mix-none"
+    if args.quick and args.baselines == ",".join(BASELINES):
+        args.baselines = "fedavg,hierfavg"
+    args.ablations = [a for a in args.ablations.split(",") if a]
+    args.baselines = [b for b in args.baselines.split(",") if b]
+    args.seeds = args.seeds or (2 if args.quick else 3)
+    long_rounds = args.long_rounds or (20 if args.quick else 40)
+    args.budgets = [Budget("short", 6, 10), Budget("long", long_rounds, 25)]
+    for name in (*args.corpora, *args.ablation_corpora):
+        if name not in CORPORA:
+            sys.exit(f"quality.py: error: unknown corpus {name!r} (known: {', '.join(CORPORA)})")
+    unknown = sorted(set(args.ablations) - set(ABLATIONS)) + sorted(set(args.baselines) - set(BASELINES))
+    if unknown:
+        sys.exit(f"quality.py: error: unknown ablation or baseline {unknown[0]!r}")
+    root = args.corpus_root or SHARED_CORPUS
+    if not root.is_dir():
+        sys.exit(f"quality.py: error: corpus root {root} is not a directory (give --corpus-root)")
+    args.corpus_root = root
+    os.environ["WORLDLM_CORPUS_ROOT"] = str(root)
+    sys.path.insert(0, str(REPO))
+    from worldlm_p2p.train.data import read_grouping
 
-        args.data = demo_data_dir()
-    args.short_rounds = args.short_rounds or max(1, args.rounds // 3)
-    todo = variants(args)
-    print(f"quality benchmark: {len(todo)} runs on {args.data}, {args.jobs} at a time", flush=True)
+    layouts = {c: {r: [p.name for p in ps] for r, ps in read_grouping(CORPORA_DIR / f"{c}.toml").items()}
+               for c in args.corpora}
+    args.peers = {c: sum(len(v) for v in lay.values()) for c, lay in layouts.items()}
+    args.peers["_subcorpora"] = len({label for lay in layouts.values() for v in lay.values() for label in v})
+    out = args.out or REPO / "benchmarks" / "out" / ("quality-quick.json" if args.quick else "quality.json")
+    tmp = None
+    if args.workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="worldlm-quality-")
+        workdir = Path(tmp.name)
+    else:
+        workdir = args.workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+    union_grouping(args.corpora, workdir, root)
+    runs = plan(args)
+    print(f"quality benchmark: {len(runs)} runs, {args.jobs} at a time, in {workdir}", flush=True)
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="worldlm-quality-") as tmp:
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            futures = {name: pool.submit(run_variant, name, flags, args, Path(tmp)) for name, flags in todo}
-            results = {name: f.result() for name, f in futures.items()}
-    text = report(results, args)
-    header = (f"Command: `python benchmarks/quality.py {' '.join(sys.argv[1:])}`\n\n"
-              f"Data {args.data}; model {args.model}; batch {args.batch_size}x{args.seq_len}; H={args.local_steps}; "
-              f"world round every {args.world_every} region rounds; seed {args.seed}; "
-              f"wall time {time.monotonic() - t0:.0f} s.\n")
-    print(header + "\n" + text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(args={k: str(v) for k, v in vars(args).items()}, results=results), indent=1))
-    args.out.with_suffix(".md").write_text(header + "\n" + text)
+    results: dict[str, dict[str, Any]] = {}
+    failures = []
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(run_one, r, args, workdir): r for r in runs}
+        for f in as_completed(futures):
+            r = futures[f]
+            try:
+                results[r.name] = f.result()
+            except Exception as e:  # report the others anyway
+                failures.append(f"{r.name}: {e}")
+                print(f"  FAILED {e}", flush=True)
+    wall = time.monotonic() - t0
+    lines = [f"Command: `python benchmarks/quality.py {' '.join(sys.argv[1:])}`", "",
+             f"Model {args.model}, batch {args.batch_size} x {args.seq_len}, eval {args.eval_tokens} held-out tokens per "
+             f"peer; seeds {args.seeds} for worldlm/local/ablations; {len(runs)} runs, wall time {wall / 60:.0f} min "
+             f"({args.jobs} at a time).", ""]
+    summary: dict[str, Any] = {}
+    for b in args.budgets:
+        for c in args.corpora:
+            by_variant: dict[str, dict[int, dict]] = {}
+            for r in runs:
+                if r.budget != b or r.name not in results:
+                    continue
+                if r.corpus == c or (r.corpus == "_subcorpora" and r.variant == "local"):
+                    by_variant.setdefault(r.variant, {})[r.seed] = results[r.name]
+            text, summ = corpus_tables(c, b, layouts[c], by_variant, args)
+            lines += text
+            summary[f"{c}.{b.name}"] = summ
+    if failures:
+        lines += ["Failed runs:", *[f"- {x}" for x in failures], ""]
+    commands = sorted({res.get("command", "") for res in results.values()} - {""})
+    lines += ["<details><summary>every command</summary>", "", *[f"    {c}" for c in commands], "", "</details>", ""]
+    text = "\n".join(lines)
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    compact = {name: {k: res[k] for k in ("strategy", "regions", "peers", "world", "tokens", "wall_seconds", "command")
+                      if k in res} for name, res in sorted(results.items())}
+    out.write_text(json.dumps(dict(args={k: str(v) for k, v in vars(args).items()}, summary=summary,
+                                   results=compact, wall_seconds=wall), indent=1))
+    out.with_suffix(".md").write_text(text)
+    if tmp is not None:
+        tmp.cleanup()
+    sys.exit(1 if failures else 0)
 
 
 if __name__ == "__main__":
