@@ -219,3 +219,34 @@ def process_group(pgid: int) -> list[str]:
     out = subprocess.run(["ps", "-eo", "pgid=,pid=,stat=,comm="], capture_output=True, text=True).stdout
     rows = [line.split(None, 3) for line in out.splitlines()]
     return [f"{r[1]} {r[3]}" for r in rows if len(r) == 4 and r[0] == str(pgid) and not r[2].startswith("Z")]
+
+
+def world_traces(tmp, label: str, *, leader: bool) -> dict[int, dict]:
+    """A peer's world-round traces by world round: as the leader that ran it, or as a member adopting it."""
+    out = {}
+    suffix = "-leader" if leader else ""
+    for p in sorted((tmp / "trace").glob(f"{label}-world-*{suffix}.pt")):
+        stem = p.stem[len(label) + len("-world-"):]
+        if leader != stem.endswith("-leader"):
+            continue
+        out[int(stem.split("-")[0])] = torch.load(p, weights_only=False)
+    return out
+
+
+def tune_trainer(tmp, argv, rule):
+    """A trainer over the tune slice a peer started with ``argv`` holds apart (rebuilt from its data
+    file and the run manifest), to recompute its mixing choices."""
+    import tomllib
+
+    from worldlm_p2p.config import RunManifest
+    from worldlm_p2p.train import (ByteTokenizer, LocalTrainer, build_model, hold_out_tune, load_texts,
+                                   tokenize_splits)
+
+    m = RunManifest.from_dict(tomllib.loads((tmp / "run.toml").read_text()))
+    agg, tok = m.aggregation, ByteTokenizer()
+    data = tokenize_splits(load_texts(argv[argv.index("--data") + 1]), tok)
+    data = hold_out_tune(data, fraction=agg.tune_fraction, max_tokens=agg.tune_tokens, seq_len=m.train.seq_len,
+                         eos_id=tok.eos_id)
+    assert rule.evidence and data.tune.numel() > 0
+    return LocalTrainer(model=build_model(m.model, vocab_size=tok.vocab_size, seed=m.train.seed), train=m.train,
+                        data=data, device=torch.device("cpu"), seed=0)

@@ -102,12 +102,31 @@ def test_peer_privacy_settings_against_the_run_policy(tmp_path):
         base = PEER + ["--region", "eu", "--data", DATA, "--initial-peers", *maddrs]
         code, _, err = run(base + ["--max-steps", "10"])
         assert_one_line_error(code, err, "privacy settings break the run's policy", "DP-SGD", "epsilon <= 8")
-        code, _, err = run(base + ["--peer-dp-noise", "0.3", "--max-steps", "100000"])
-        assert_one_line_error(code, err, "privacy.peer_noise 0.3 would spend epsilon", "max_peer_epsilon 8")
-        code, _, err = run(base + ["--peer-dp-noise", "5.0"])
-        assert_one_line_error(code, err, "give --max-steps")
     finally:
         procs.close()
+    # the checks that need the peer's data size (its DP-SGD sampling rate), in-process: the same
+    # methods the peer runs once its trainer is built, before it trains (saves two peer start-ups)
+    import torch
+
+    from worldlm_p2p.config import PeerConfig, PrivacyConfig, RunManifest
+    from worldlm_p2p.errors import ConfigError
+    from worldlm_p2p.peer import Peer
+    from worldlm_p2p.train import ByteTokenizer, LocalTrainer, build_model, load_texts, peer_dp_config, tokenize_splits
+
+    manifest = RunManifest.from_dict({"run_id": "dp", "privacy": {"max_peer_epsilon": 8.0},
+                                      "train": {"batch_size": 4, "seq_len": 64}})
+    data = tokenize_splits(load_texts(DATA), ByteTokenizer())
+    for noise, steps, message in ((0.3, 100_000, "privacy.peer_noise 0.3 would spend epsilon"),
+                                  (5.0, None, "give --max-steps")):
+        peer = Peer(config=PeerConfig(region="eu", data=DATA, privacy=PrivacyConfig(peer_noise=noise), max_steps=steps))
+        peer.manifest = manifest
+        peer._check_privacy()  # DP-SGD is on: the policy's first check passes
+        peer.trainer = LocalTrainer(model=build_model(manifest.model, vocab_size=259, seed=0), train=manifest.train,
+                                    data=data, device=torch.device("cpu"), seed=0,
+                                    dp=peer_dp_config(epsilon=0, noise=noise, clip=1.0, delta=1e-5, steps=steps))
+        with pytest.raises(ConfigError, match=message) as err:
+            peer._check_projected_epsilon()
+        assert "\n" not in str(err.value) and (steps is None or "max_peer_epsilon 8" in str(err.value))
 
 
 @pytest.mark.network

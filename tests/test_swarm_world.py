@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from swarm_utils import (REPO, Procs, ProgressReader, env, log_tail, max_abs_diff, round_rule, start_bootstrap,
-                         start_peer, wait_for)
+                         start_peer, summary, tune_trainer, wait_for, world_traces)
 
 pytestmark = pytest.mark.network
 
@@ -29,17 +29,6 @@ def procs():
     p = Procs()
     yield p
     p.close()
-
-
-def _world_traces(tmp, label: str, *, leader: bool) -> dict[int, dict]:
-    out = {}
-    suffix = "-leader" if leader else ""
-    for p in sorted((tmp / "trace").glob(f"{label}-world-*{suffix}.pt")):
-        stem = p.stem[len(label) + len("-world-"):]
-        if leader != stem.endswith("-leader"):
-            continue
-        out[int(stem.split("-")[0])] = torch.load(p, weights_only=False)
-    return out
 
 
 def _leaders(reader: ProgressReader) -> dict[str, set[str]]:
@@ -55,28 +44,9 @@ def _monitor(maddrs, *args):
                           capture_output=True, text=True, env=dict(env(), COLUMNS="160"), cwd=REPO, timeout=120)
 
 
-def _tune_trainer(tmp, argv, rule):
-    """A trainer over the tune slice a peer started with ``argv`` holds apart (rebuilt from its data
-    file and the run manifest), to recompute its mixing choices."""
-    import tomllib
-
-    from worldlm_p2p.config import RunManifest
-    from worldlm_p2p.train import (ByteTokenizer, LocalTrainer, build_model, hold_out_tune, load_texts,
-                                   tokenize_splits)
-
-    m = RunManifest.from_dict(tomllib.loads((tmp / "run.toml").read_text()))
-    agg, tok = m.aggregation, ByteTokenizer()
-    data = tokenize_splits(load_texts(argv[argv.index("--data") + 1]), tok)
-    data = hold_out_tune(data, fraction=agg.tune_fraction, max_tokens=agg.tune_tokens, seq_len=m.train.seq_len,
-                         eos_id=tok.eos_id)
-    assert rule.evidence and data.tune.numel() > 0
-    return LocalTrainer(model=build_model(m.model, vocab_size=tok.vocab_size, seed=m.train.seed), train=m.train,
-                        data=data, device=torch.device("cpu"), seed=0)
-
-
 def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
     _, maddrs = start_bootstrap(procs, tmp_path, run_id="world", inner_steps=5, averaging="leader_ttl = 10.0",
-                                aggregation="world_every = 2\nresidual_tau = 1.0")
+                                aggregation="world_every = 1\nresidual_tau = 1.0")
     # the monitor before any peer: a bounded wait, exit code 1, one line
     r = _monitor(maddrs, "--run-id", "world", "--once", "--json", "--wait", "2")
     assert r.returncode == 1, (r.stdout, r.stderr)
@@ -99,7 +69,7 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
         def common_world_round():
             by_w: dict[int, list[str]] = {}
             for lab in labels:
-                for k in _world_traces(tmp_path, lab, leader=True):
+                for k in world_traces(tmp_path, lab, leader=True):
                     by_w.setdefault(k, []).append(lab)
             for k in sorted(by_w):
                 if sorted(labels[lab] for lab in by_w[k]) == ["eu", "na"]:
@@ -114,9 +84,9 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
         # candidacy records have spread; at start-up every peer briefly sees only itself)
         wait_for(lambda: _leaders(reader) == {"eu": {eu_leader}, "na": {na_leader}}, 60,
                  f"every peer to see {eu_leader} and {na_leader} as the leaders")
-        te, tn = _world_traces(tmp_path, eu_leader, leader=True)[w], _world_traces(tmp_path, na_leader, leader=True)[w]
+        te, tn = world_traces(tmp_path, eu_leader, leader=True)[w], world_traces(tmp_path, na_leader, leader=True)[w]
         assert te["regions"] == tn["regions"] == ["eu", "na"]
-        rule = round_rule("worldlm", world_every=2, residual_tau=1.0)
+        rule = round_rule("worldlm", world_every=1, residual_tau=1.0)
         split = rule.split
         # the shared backbone: both regions leave the world round with the same B ...
         assert max_abs_diff(split.take_backbone(te["model"]), split.take_backbone(tn["model"])) < 1e-5
@@ -153,9 +123,9 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
         # leadership two eu peers may both have led that world round)
         def adopted():
             for member in (lab for lab in eu if lab != eu_leader):
-                for k, t in _world_traces(tmp_path, member, leader=False).items():
+                for k, t in world_traces(tmp_path, member, leader=False).items():
                     for lab in eu:
-                        lead = _world_traces(tmp_path, lab, leader=True).get(k)
+                        lead = world_traces(tmp_path, lab, leader=True).get(k)
                         if lead is not None and lead["peer_id"] == t["leader"]:
                             return member, k, t, lead
             return None
@@ -168,7 +138,7 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
         # slice (rebuilt here from its data file), gives the same weight and the same model
         from worldlm_p2p.rounds import member_world_mix
 
-        trainer = _tune_trainer(tmp_path, dict(eu)[member].args, rule)
+        trainer = tune_trainer(tmp_path, dict(eu)[member].args, rule)
         model, choice = member_world_mix(rule, own=t["before"], change=t["delta"], loss_of=trainer.tune_loss)
         assert choice is not None and 0.0 <= choice.lam <= 1.0 and choice.lam == pytest.approx(t["mix_lam"], abs=1e-5)
         assert max_abs_diff(t["after"], model) < 1e-5, (member, k, choice)
@@ -211,7 +181,7 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
                                 if ls.get("eu") and eu_leader not in ls["eu"] else None)(_leaders(reader)),
                        60, "a new eu leader")
         assert new != eu_leader and labels[new] == "eu"
-        wait_for(lambda: any(k > w for k in _world_traces(tmp_path, new, leader=True)), 240,
+        wait_for(lambda: any(k > w for k in world_traces(tmp_path, new, leader=True)), 240,
                  f"a world round led by the new eu leader {new}")
         assert na_leader in _leaders(reader).get("na", set())
         # the killed leader leaves the monitor once its progress record expires (15 s); the live view
@@ -232,3 +202,47 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
     for lab, p in {**eu, **na}.items():
         if lab != eu_leader:
             assert p.wait(timeout=90) == 0, f"{lab}:\n{log_tail(tmp_path, lab)}"
+
+
+def test_regions_of_one_peer_take_part_in_world_rounds(procs, tmp_path):
+    """One peer per region (a region of one is still a region, as in the simulator): each peer is
+    its region's leader and its model the region's; they run world rounds together, the network
+    result is the pure world round on their models, and each takes of the world's change what its
+    own tune slice supports (rounds.member_world_mix on the same inputs)."""
+    _, maddrs = start_bootstrap(procs, tmp_path, run_id="ones", inner_steps=5)
+    peers = {lab: start_peer(procs, tmp_path, maddrs, region=region, sub=sub, label=lab, max_steps=MANY)
+             for lab, region, sub in (("eu-a", "eu", "de_news-reviews-wiki"), ("na-a", "na", "na/en_email"))}
+
+    def done():  # a world round both led, adopted by both
+        led = [set(world_traces(tmp_path, lab, leader=True)) for lab in peers]
+        took = [set(world_traces(tmp_path, lab, leader=False)) for lab in peers]
+        common = set.intersection(*led, *took)
+        return min(common) if common else None
+
+    try:
+        w = wait_for(done, 180, "a world round led and adopted by both regions of one")
+    except AssertionError:
+        raise AssertionError("\n".join(f"--- {lab}\n{log_tail(tmp_path, lab, 10)}" for lab in peers))
+    from worldlm_p2p.rounds import member_world_mix, world_round
+
+    rule = round_rule("worldlm")
+    lead = {lab: world_traces(tmp_path, lab, leader=True)[w] for lab in peers}
+    assert all(t["regions"] == ["eu", "na"] for t in lead.values())
+    ref = world_round(rule, {"eu": lead["eu-a"]["snapshot"], "na": lead["na-a"]["snapshot"]},
+                      {"eu": lead["eu-a"]["tokens"], "na": lead["na-a"]["tokens"]})
+    assert max_abs_diff(lead["eu-a"]["model"], ref.models["eu"]) < 1e-4
+    assert max_abs_diff(lead["na-a"]["model"], ref.models["na"]) < 1e-4
+    for lab, proc in peers.items():
+        t = world_traces(tmp_path, lab, leader=False)[w]
+        change = [m.float() - s for m, s in zip(lead[lab]["model"], lead[lab]["snapshot"])]
+        assert max_abs_diff(t["delta"], change) < 1e-6, lab  # its own leadership's change
+        model, choice = member_world_mix(rule, own=t["before"], change=t["delta"],
+                                         loss_of=tune_trainer(tmp_path, proc.args, rule).tune_loss)
+        assert choice.lam == pytest.approx(t["mix_lam"], abs=1e-5) and max_abs_diff(t["after"], model) < 1e-5, lab
+    for p in peers.values():
+        p.send_signal(signal.SIGTERM)
+    for lab, p in peers.items():
+        assert p.wait(timeout=90) == 0, f"{lab}:\n{log_tail(tmp_path, lab)}"
+    # neither ever held a region round: each was alone in its region
+    assert all(summary(tmp_path, lab)["rounds_completed"] == 0 for lab in peers)
+    assert all(summary(tmp_path, lab)["world_rounds_led"] >= 1 for lab in peers)

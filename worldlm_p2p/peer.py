@@ -413,6 +413,8 @@ class Peer:
                 level = logging.DEBUG if self._was_alone else logging.INFO
                 logger.log(level, "round %d: no other live peer in region %s, training on locally", s.round,
                            self.config.region)
+                if decision.live == 0 and self._lease is not None:
+                    self._region_of_one()
             self._was_alone = True
             s.waiting_for_round = -1
             s.round += 1
@@ -488,15 +490,31 @@ class Peer:
         return sum(1 for region in {r.region for r in leases}
                    if elect(leases, region=region, now=now, fingerprint=fp) is not None)
 
+    def _region_of_one(self) -> None:
+        """A region whose only live peer is this one still takes part in world rounds: its model is
+        this peer's (the region round of one member, as in the simulator: the agreed model is the
+        member's own), it adopts world changes by its evidence, and as its leader it runs world
+        rounds on schedule."""
+        s = self.stats
+        self._maybe_adopt_world()
+        self._anchor = [p.detach().to("cpu", copy=True) for p in get_flat_params(self.model)]
+        tokens, s.tokens_since_round = float(s.tokens_since_round), 0
+        self._share_state(round_index=s.round + 1)
+        self._count_for_world(tokens)
+
     def _after_region_round(self, result) -> None:
-        """Count the region's tokens towards the next world round; a leader starts one every
+        """Count the region's tokens towards the next world round (see :meth:`_count_for_world`)."""
+        self._count_for_world(sum(float(g.get("tokens", 0)) for g in result.gathered.values()
+                                  if isinstance(g, dict)))
+
+    def _count_for_world(self, tokens: float) -> None:
+        """Count a region round and its tokens towards the next world round; a leader starts one every
         ``world_every`` region rounds, in the background (training and region rounds go on)."""
         if self._lease is None:
             return
         s, m = self.stats, self.manifest
         s.rounds_since_world += 1
-        self._region_tokens_since_world += sum(float(g.get("tokens", 0)) for g in result.gathered.values()
-                                               if isinstance(g, dict))
+        self._region_tokens_since_world += tokens
         if s.rounds_since_world < m.aggregation.world_every or not self._lease.is_leader():
             return
         if self._live_leaders() < 2:
