@@ -98,10 +98,13 @@ def plan(args) -> list[Run]:
             if c in args.ablation_corpora:
                 for a in args.ablations:
                     runs += [Run(c, b, f"worldlm:{a}", s, ("--strategy", "worldlm", *ABLATIONS[a])) for s in seeds]
-    # the runs that do not depend on WorldLM's own rules first (a changed rule reruns only the
-    # worldlm runs of a --workdir), then the longest first, so that the pool's tail is short
-    return sorted(runs, key=lambda r: (r.variant.startswith("worldlm"),
-                                       -r.budget.rounds * r.budget.local_steps * args.peers.get(r.corpus, 1)))
+    # what the targets need first (local and worldlm, then the ablations, then the single-seed
+    # baselines), so that a study cut short still answers the main question; within each, the
+    # longest first, so that the pool's tail is short
+    def priority(r: Run) -> int:
+        return 0 if r.variant in ("local", "worldlm") else 1 if r.variant.startswith("worldlm:") else 2
+
+    return sorted(runs, key=lambda r: (priority(r), -r.budget.rounds * r.budget.local_steps * args.peers.get(r.corpus, 1)))
 
 
 def union_grouping(corpora: list[str], workdir: Path, root: Path) -> Path:
@@ -132,6 +135,12 @@ def run_one(run: Run, args, workdir: Path) -> dict[str, Any]:
            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--eval-tokens", str(args.eval_tokens),
            "--seed", str(run.seed), "--threads", "1", "--device", "cpu", "--no-report", *run.flags,
            "--out", str(out.with_suffix(".tmp.json"))]
+    if out.with_suffix(".tmp.json").is_file():  # finished after its benchmark process was stopped
+        res = json.loads(out.with_suffix(".tmp.json").read_text())
+        res["command"] = "worldlm-simulate " + " ".join(cmd[3:-2])
+        out.write_text(json.dumps(res))
+        out.with_suffix(".tmp.json").unlink()
+        return res
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     if args.corpus_root:
         env["WORLDLM_CORPUS_ROOT"] = str(args.corpus_root)

@@ -154,6 +154,10 @@ class Peer:
         if agg.strategy == "worldlm" and agg.mix == "evidence":  # the tune slice: evidence for mixing
             self.data = hold_out_tune(self.data, fraction=agg.tune_fraction, max_tokens=agg.tune_tokens,
                                       seq_len=m.train.seq_len, eos_id=self.tokenizer.eos_id)
+            if cfg.privacy.peer and self.data.tune.numel():
+                logger.warning("DP-SGD covers the training text; the tune slice (%d tokens held apart for "
+                               "evidence mixing) is outside its guarantee: the mixing weight chosen on it each "
+                               "round is not accounted", self.data.tune.numel())
         if self.data.train.numel() < m.train.seq_len + 1:
             raise DataError(f"data {cfg.data} has {self.data.train.numel()} tokens, fewer than one "
                             f"training window of {m.train.seq_len + 1}")
