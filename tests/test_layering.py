@@ -9,7 +9,8 @@ import pytest
 CASES = [
     ("worldlm_p2p", ["torch", "hivemind", "transformers", "datasets"]),
     ("worldlm_p2p.aggregation", ["hivemind", "transformers", "datasets"]),
-    ("worldlm_p2p.split, worldlm_p2p.attention, worldlm_p2p.outer_optim, worldlm_p2p.residual, worldlm_p2p.rounds",
+    ("worldlm_p2p.split, worldlm_p2p.attention, worldlm_p2p.outer_optim, worldlm_p2p.residual, worldlm_p2p.rounds, "
+     "worldlm_p2p.mixing",
      ["hivemind", "transformers", "datasets"]),  # (torch itself imports asyncio)
     ("worldlm_p2p.simulate", ["hivemind"]),
     ("worldlm_p2p.config", ["torch", "hivemind", "transformers", "datasets"]),
