@@ -27,7 +27,7 @@ per token; with the default byte tokenizer a token is a UTF-8 byte.
 
 Usage::
 
-    python benchmarks/quality.py                    # the full study (see README: about 3 h here)
+    python benchmarks/quality.py                    # the full study (112 runs; hours here: see RESULTS.md)
     python benchmarks/quality.py --quick            # for iteration: 2 corpora, 20 rounds, 2 seeds
     python benchmarks/quality.py --workdir DIR      # keep every run's JSON in DIR and reuse them
 
@@ -81,9 +81,12 @@ class Run:
     seed: int
     flags: tuple[str, ...] = field(default=())
 
-    @property
-    def name(self) -> str:
-        return f"{self.corpus}.{self.budget.name}.{self.variant.replace(':', '_')}.s{self.seed}"
+    def name(self, args) -> str:
+        """Every setting that changes the result is in the name, so a --workdir never serves a run
+        made with other settings."""
+        shape = f"r{self.budget.rounds}h{self.budget.local_steps}.{args.model}.b{args.batch_size}x{args.seq_len}." \
+                f"e{args.eval_tokens}"
+        return f"{self.corpus}.{shape}.{self.variant.replace(':', '_')}.s{self.seed}"
 
 
 def plan(args) -> list[Run]:
@@ -124,7 +127,7 @@ def union_grouping(corpora: list[str], workdir: Path, root: Path) -> Path:
 
 
 def run_one(run: Run, args, workdir: Path) -> dict[str, Any]:
-    out = workdir / f"{run.name}.json"
+    out = workdir / f"{run.name(args)}.json"
     if out.is_file():
         res = json.loads(out.read_text())
         res["reused"] = True
@@ -145,17 +148,17 @@ def run_one(run: Run, args, workdir: Path) -> dict[str, Any]:
     if args.corpus_root:
         env["WORLDLM_CORPUS_ROOT"] = str(args.corpus_root)
     t0 = time.monotonic()
-    log = workdir / f"{run.name}.log"
+    log = workdir / f"{run.name(args)}.log"
     with log.open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     if proc.returncode != 0:
         tail = log.read_text().strip().splitlines()[-3:]
-        raise RuntimeError(f"{run.name} failed (exit {proc.returncode}): {' | '.join(tail)}")
+        raise RuntimeError(f"{run.name(args)} failed (exit {proc.returncode}): {' | '.join(tail)}")
     res = json.loads(out.with_suffix(".tmp.json").read_text())
     res["command"] = "worldlm-simulate " + " ".join(cmd[3:-2])
     out.write_text(json.dumps(res))
     out.with_suffix(".tmp.json").unlink()
-    print(f"  {run.name}: {time.monotonic() - t0:.0f} s", flush=True)
+    print(f"  {run.name(args)}: {time.monotonic() - t0:.0f} s", flush=True)
     return res
 
 
@@ -170,6 +173,9 @@ def geo(values) -> float:
 
 
 def mean_sd(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation; (inf, nan) when a value is not finite (a diverged run)."""
+    if any(v is None or not math.isfinite(v) for v in values):
+        return math.inf, math.nan
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
@@ -218,21 +224,25 @@ def corpus_tables(corpus: str, budget: Budget, layout, results: dict[str, dict[i
         lines.append(f"| {v} | {len(seeds)} | " + " | ".join(cells) + f" | {fmt(gm)}"
                      + (f" ± {gsd:.3f}" if len(seeds) > 1 else "") + " |")
     if "worldlm" in per_variant and "local" in per_variant:
-        lines += ["", "worldlm against local (mean over seeds; ratio < 1: worldlm better; 'worse' only beyond the "
-                  "larger seed spread):", "", "| region | worldlm | local | ratio | verdict |", "|---|---:|---:|---:|---|"]
+        lines += ["", "worldlm against local (mean over seeds; ratio < 1: worldlm better; 'better' and 'worse' "
+                  "only beyond the larger of the two seed spreads):", "", "| region | worldlm | local | ratio | verdict |", "|---|---:|---:|---:|---|"]
         worse, better = [], []
         for r in regions:
             w = mean_sd([per_variant["worldlm"][s][r] for s in per_variant["worldlm"]])
             lo = mean_sd([per_variant["local"][s][r] for s in per_variant["local"]])
             spread = max(w[1], lo[1])
-            verdict = "worse" if w[0] - lo[0] > spread else ("better" if w[0] < lo[0] else "level (within spread)")
+            if not math.isfinite(w[0]) or not math.isfinite(lo[0]):  # a diverged run
+                verdict = "worse" if not math.isfinite(w[0]) else "better"
+            else:
+                verdict = ("worse" if w[0] - lo[0] > spread else "better" if lo[0] - w[0] > spread
+                           else "level (within the seed spread)")
             (worse if verdict == "worse" else better if verdict == "better" else []).append(r)
             lines.append(f"| {r} | {w[0]:.3f} ± {w[1]:.3f} | {lo[0]:.3f} ± {lo[1]:.3f} | {w[0] / lo[0]:.3f} | {verdict} |")
         peer_keys = sorted(next(iter(peers_of["worldlm"].values())))
         pw = sum(1 for k in peer_keys if statistics.fmean(peers_of["worldlm"][s][k] for s in peers_of["worldlm"])
                  < statistics.fmean(peers_of["local"][s][k] for s in peers_of["local"]))
         gain = 1 - summary["worldlm"]["region_mean"] / summary["local"]["region_mean"]
-        lines += ["", f"Regions better than local: {len(better)} of {len(regions)}; worse beyond the seed spread: "
+        lines += ["", f"Regions better than local beyond the seed spread: {len(better)} of {len(regions)}; worse beyond it: "
                   f"{', '.join(worse) or 'none'}. Peers better than local: {pw} of {len(peer_keys)}. Region mean: "
                   f"worldlm {gain * 100:+.1f}% against local (target: at least 5% lower)."]
         summary["against_local"] = dict(regions_better=len(better), regions=len(regions), regions_worse=worse,
@@ -286,7 +296,7 @@ def main() -> None:
     unknown = sorted(set(args.ablations) - set(ABLATIONS)) + sorted(set(args.baselines) - set(BASELINES))
     if unknown:
         sys.exit(f"quality.py: error: unknown ablation or baseline {unknown[0]!r}")
-    root = args.corpus_root or SHARED_CORPUS
+    root = (args.corpus_root or SHARED_CORPUS).resolve()
     if not root.is_dir():
         sys.exit(f"quality.py: error: corpus root {root} is not a directory (give --corpus-root)")
     args.corpus_root = root
@@ -317,9 +327,9 @@ def main() -> None:
         for f in as_completed(futures):
             r = futures[f]
             try:
-                results[r.name] = f.result()
+                results[r.name(args)] = f.result()
             except Exception as e:  # report the others anyway
-                failures.append(f"{r.name}: {e}")
+                failures.append(f"{r.name(args)}: {e}")
                 print(f"  FAILED {e}", flush=True)
     wall = time.monotonic() - t0
     lines = [f"Command: `python benchmarks/quality.py {' '.join(sys.argv[1:])}`", "",
@@ -331,10 +341,10 @@ def main() -> None:
         for c in args.corpora:
             by_variant: dict[str, dict[int, dict]] = {}
             for r in runs:
-                if r.budget != b or r.name not in results:
+                if r.budget != b or r.name(args) not in results:
                     continue
                 if r.corpus == c or (r.corpus == "_subcorpora" and r.variant == "local"):
-                    by_variant.setdefault(r.variant, {})[r.seed] = results[r.name]
+                    by_variant.setdefault(r.variant, {})[r.seed] = results[r.name(args)]
             text, summ = corpus_tables(c, b, layouts[c], by_variant, args)
             lines += text
             summary[f"{c}.{b.name}"] = summ

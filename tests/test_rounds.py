@@ -9,6 +9,7 @@ from worldlm_p2p import attention, residual
 from worldlm_p2p.aggregation import weighted_mean
 from worldlm_p2p.outer_optim import outer_update
 from worldlm_p2p.rounds import (FETCH_MIN_WEIGHT, RoundRule, region_apply, region_payload, region_round,
+                                region_round_with_anchor,
                                 world_round)
 from worldlm_p2p.split import split_parameters
 
@@ -370,3 +371,20 @@ def test_fedavg_round_with_border_dp():
                                                     noise_multiplier=0.0, generators=gens)
     assert all(r.clipped_norm == pytest.approx(0.1) for r in rec.values())
     assert l2_norm([x - a for x, a in zip(agreed, anchor)]) <= 0.1 + 1e-6
+
+
+@pytest.mark.parametrize("strategy", ["worldlm", "hierfavg", "fedper", "fedavg"])
+def test_a_group_of_one_is_the_identity(strategy):
+    """A group of one member has nothing to average (a swarm peer alone in its region holds no
+    round): its model is the agreed model bit for bit, the momentum unchanged, whatever the outer
+    optimizer and the attention step."""
+    rule = RoundRule(strategy=strategy, split=SPLIT, outer="nesterov", outer_lr=0.7, eps=0.5, mix="evidence")
+    anchor, members, _ = _region(seed=5)
+    momentum = [torch.full_like(t, 0.25) for t in rule.backbone(anchor)]
+    choices: list = []
+    out, mom, agreed = region_round_with_anchor(rule, members[:1], [7.0], anchor=anchor, momentum=momentum,
+                                                loss_of=[lambda p: 0.0], choices=choices)
+    assert all(torch.equal(a, b) for a, b in zip(out[0], members[0]))
+    assert all(torch.equal(a, b) for a, b in zip(agreed, members[0]))
+    assert mom is momentum
+    assert choices == ([None] if rule.evidence else [])

@@ -13,8 +13,9 @@ chosen by a line search on its *tune slice*, text it never trains on and is neve
 3. the lowest loss wins; ``lam = 0`` (the member's own model, bit for bit) unless a mix is strictly
    better by more than ``margin`` nats.
 
-So a member with no useful partner gets its own model back and trains on exactly as it would alone;
-one whose partners' models help takes as much of them as its evidence supports. Repeated small
+So a member with no useful partner gets its own model back and trains on as it would alone (on its
+training text less the tune slice); one whose partners' models help takes as much of them as its
+evidence supports. Repeated small
 pulls towards a region model act like Ditto's proximal term (arXiv 2012.04221) and APFL's mixing
 weight (arXiv 2003.13461), with the strength set by held-out evidence each round instead of a
 tuned constant. The search costs 2 forward passes over the slice when even the smallest mix
@@ -48,7 +49,10 @@ class MixChoice:
 
     @property
     def gain(self) -> float:
-        """Nats per token the mix saves on the slice (>= 0)."""
+        """Nats per token the mix saves on the slice (>= 0); NaN when the own model's loss is not
+        finite (nothing to compare with)."""
+        if not (math.isfinite(self.own_loss) and math.isfinite(self.loss)):
+            return math.nan
         return self.own_loss - self.loss
 
 
@@ -170,7 +174,9 @@ def mix_weights(own: Sequence[torch.Tensor], candidates: Mapping[str, Sequence[t
     Candidates are visited best first (by their own slice loss, then by name, so the result does not
     depend on the order they are given in); each is mixed in by a line search from the current mix,
     and the weights of what was mixed before shrink by ``1 - lam``. With no candidate that lowers
-    the slice loss the member's own model comes back unchanged with weight 1."""
+    the slice loss the member's own model comes back unchanged with weight 1. Like every search
+    here it leaves the last parameters tried wherever ``loss_of`` loads them: the caller sets the
+    model it settles on."""
     if "own" in candidates:
         raise ValueError("'own' is reserved for the member's own model")
     order = sorted(candidates, key=lambda name: (_finite_or_inf(loss_of([t.detach() for t in candidates[name]])), name))

@@ -447,7 +447,8 @@ class Peer:
                 result = dataclasses.replace(result, ok=False, averaged=None, error=f"unusable average: {e}")
         mix = None
         if result.ok and self.rule.evidence:
-            new, mix = rounds.member_mix(self.rule, own=pre, agreed=agreed, loss_of=self._loss_of())
+            new, mix = self._mix_safely(lambda: rounds.member_mix(self.rule, own=pre, agreed=agreed,
+                                                                  loss_of=self._loss_of()), own=pre)
             self._record_mix("region", s.round, mix)
         if result.ok:
             self._momentum = momentum
@@ -627,7 +628,8 @@ class Peer:
             return
         w, delta, _, source, ref = known
         params = get_flat_params(self.model)
-        adopted, mix = rounds.member_world_mix(self.rule, own=params, change=delta, loss_of=self._loss_of())
+        adopted, mix = self._mix_safely(lambda: rounds.member_world_mix(self.rule, own=params, change=delta,
+                                                                        loss_of=self._loss_of()), own=params)
         set_params(self.model, adopted)
         if self.rule.evidence and self.rule.mix_world:
             self._record_mix("world", w, mix)
@@ -653,9 +655,19 @@ class Peer:
             return None
         return lambda params: self.trainer.tune_loss(params)
 
+    def _mix_safely(self, search, *, own: list[torch.Tensor]):
+        """Run a mixing search; if evaluating the tune slice fails (out of memory, say), keep the
+        own model (a search leaves trial parameters in the model) and say so, rather than stop."""
+        try:
+            return search()
+        except Exception as e:
+            logger.warning("evidence mixing failed (%s: %s): keeping this peer's own model", type(e).__name__, e)
+            set_params(self.model, own)
+            return [t.detach().clone() for t in own], None
+
     def _record_mix(self, kind: str, index: int, choice) -> None:
         lam = choice.lam if choice is not None else 0.0
-        gain = choice.gain if choice is not None else 0.0
+        gain = choice.gain if choice is not None and math.isfinite(choice.gain) else 0.0
         self.stats.mixes.append(dict(kind=kind, round=int(index), step=self.stats.step, lam=lam, gain=gain))
         logger.info("%s round %d: took %.3g of the %s (tune-slice loss %.4f -> %.4f)", kind, index, lam,
                     "region's agreed model" if kind == "region" else "world's change",

@@ -6,7 +6,10 @@ tests). A round is three steps:
 
 1. :func:`region_payload`: what a member puts into the all-reduce (weight: its tokens);
 2. the all-reduce: ``sum_i w_i x_i / sum_i w_i`` over the group;
-3. :func:`region_apply`: turn the averaged payload into the member's next model.
+3. :func:`region_step`: turn the averaged payload into the region's agreed model and the member's
+   next model; with ``worldlm``'s evidence mixing, :func:`member_mix` then moves the member's own
+   model towards the agreed one as far as its tune slice supports (and :func:`member_world_mix`
+   takes a world round's change the same way).
 
 Per strategy (``shared/design/worldlm.md`` section 5):
 
@@ -200,18 +203,22 @@ def region_round_with_anchor(rule: RoundRule, members: Sequence[Sequence[torch.T
                              ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor] | None, list[torch.Tensor]]:
     """:func:`region_round` plus the region's new agreed model (see :func:`region_step`). With
     ``mix="evidence"``, ``loss_of[i]`` is member ``i``'s tune-slice loss (None: no slice) and each
-    member's :class:`~worldlm_p2p.mixing.MixChoice` is appended to ``choices`` when given. A member
-    alone in its group has no one to learn from and keeps its own model (choice None), as a swarm
-    peer alone in its region holds no region round."""
+    member's :class:`~worldlm_p2p.mixing.MixChoice` is appended to ``choices`` when given.
+
+    A group of one member has nothing to average, as a swarm peer alone in its region holds no
+    region round (:meth:`worldlm_p2p.peer.Peer._region_of_one`): its model is the group's agreed
+    model, bit for bit, the outer momentum stays as it was, and there is no mixing choice (None)."""
+    if len(members) == 1:
+        own = [t.detach().clone() for t in members[0]]
+        if choices is not None and rule.evidence:
+            choices.append(None)
+        return [own], momentum, [t.clone() for t in own]
     payloads = [region_payload(rule, p, anchor) for p in members]
     averaged = weighted_mean(payloads, weights)
     out, new_m, agreed = [], momentum, None
     for i, p in enumerate(members):
         new, agreed, new_m = region_step(rule, averaged, params=p, anchor=anchor, momentum=momentum)
-        if rule.evidence and len(members) == 1:
-            if choices is not None:
-                choices.append(None)
-        elif rule.evidence:
+        if rule.evidence:
             new, choice = member_mix(rule, own=p, agreed=agreed, loss_of=loss_of[i] if loss_of else None)
             if choices is not None:
                 choices.append(choice)

@@ -207,7 +207,7 @@ class Simulator:
                     p.tune_loss = c.loss if c is not None else None  # the slice loss of the model it keeps
                     if c is not None or (rule.evidence and len(members) > 1):  # no slice: took nothing
                         p.mixes.append(dict(round=self._round, kind="region", lam=c.lam if c else 0.0,
-                                            gain=c.gain if c else 0.0))
+                                            gain=c.gain if c and math.isfinite(c.gain) else 0.0))
             for p, tensors in zip(members, new):
                 set_params(p.model, tensors)
                 p.tokens_since_round = 0
@@ -283,7 +283,7 @@ class Simulator:
                 set_params(p.model, model)
                 if rule.evidence and rule.mix_world:
                     p.mixes.append(dict(round=index, kind="world", lam=choice.lam if choice else 0.0,
-                                        gain=choice.gain if choice else 0.0))
+                                        gain=choice.gain if choice and math.isfinite(choice.gain) else 0.0))
                 p.tokens_since_world = 0
         self.world_rounds.append(dict(round=index, weights=result.weights, fetched=result.fetched,
                                       **(dict(released=released) if released else {})))

@@ -30,7 +30,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--model", help="model preset: tiny, small, base, large (default tiny)")
     p.add_argument("--rounds", type=int, default=10, help="region rounds (default 10)")
     p.add_argument("--local-steps", type=int, help="H: local steps per round (default 20)")
-    p.add_argument("--world-every", type=int, help="M: a world round every M region rounds (default 2)")
+    p.add_argument("--world-every", type=int, help="M: a world round every M region rounds (default 1)")
     p.add_argument("--seed", type=int, help="seed of the model init and the batch streams (default 0)")
     p.add_argument("--out", default="results.json", help="results JSON (default results.json)")
     p.add_argument("--run-config", metavar="TOML", help="take model/tokenizer/train/aggregation from a run manifest")

@@ -295,8 +295,9 @@ def hold_out_tune(data: TokenData, *, fraction: float, max_tokens: int, seq_len:
     n = int(data.train.numel())
     want = max(seq_len + 1, min(int(max_tokens), int(n * fraction)))
     if n - want < 2 * (seq_len + 1):
-        logger.warning("training text of %d tokens is too short to hold a tune slice apart (needs %d): this peer "
-                       "mixes without evidence of its own", n, want + 2 * (seq_len + 1))
+        logger.warning("training text of %d tokens is too short to hold a tune slice apart (needs %d): without "
+                       "evidence this peer keeps its own model and takes nothing from its region or the world", n,
+                       want + 2 * (seq_len + 1))
         return data
     start = n - want
     hits = (torch.nonzero(data.train[start:start + want // 2] == eos_id).flatten() if eos_id is not None
@@ -432,7 +433,8 @@ def read_grouping(path: str | Path, *, root: str | Path | None = None) -> dict[s
     """A grouping file: regions made of sub-corpora of a federated corpus, by reference.
 
     TOML with ``root`` (the corpus, relative to the file's directory unless absolute; ``root``
-    here, or the environment variable ``WORLDLM_CORPUS_ROOT``, overrides it) and a ``[regions]``
+    here, or the environment variable ``WORLDLM_CORPUS_ROOT``, overrides it, relative to the working
+    directory) and a ``[regions]``
     table mapping each region to a list of sub-corpus directories under the root, e.g.
     ``eu = ["eu/de_news-reviews-wiki", "asia/ja_news-blog"]``. Every sub-corpus must exist
     (``train.txt``) and may appear once. Returns region -> sub-corpus directories, regions in
@@ -451,12 +453,14 @@ def read_grouping(path: str | Path, *, root: str | Path | None = None) -> dict[s
     regions = spec.get("regions")
     if not isinstance(regions, dict) or not regions:
         raise DataError(f"grouping file {path} has no [regions] table (region = [\"<region>/<sub_corpus>\", ...])")
-    base = root if root is not None else os.environ.get("WORLDLM_CORPUS_ROOT") or spec.get("root")
+    override = root if root is not None else os.environ.get("WORLDLM_CORPUS_ROOT") or None
+    base = override if override is not None else spec.get("root")
     if not isinstance(base, (str, Path)) or not str(base):
         raise DataError(f"grouping file {path} names no corpus root (root = \"...\")")
+    # the file's own root is relative to the file; an override (argument, environment) to the
+    # working directory, like any path given on a command line
     base = Path(base).expanduser()
-    if not base.is_absolute():
-        base = (path.parent / base).resolve()
+    base = base.resolve() if override is not None else (path.parent / base).resolve()
     if not base.is_dir():
         raise DataError(f"grouping file {path}: corpus root {base} is not a directory")
     layout: dict[str, list[Path]] = {}

@@ -203,8 +203,10 @@ class LocalTrainer:
         self.model.eval()
         total, count = 0.0, 0
         try:
-            for x, y in eval_batches(self.data.tune, seq_len=cfg.seq_len, batch_size=max(cfg.batch_size, 32),
-                                     max_tokens=0):
+            # batches of at most max(batch_size x seq_len, 8192) tokens: few forward passes for small
+            # models, no more memory than a training batch for long sequences
+            windows = max(cfg.batch_size, min(32, 8192 // cfg.seq_len))
+            for x, y in eval_batches(self.data.tune, seq_len=cfg.seq_len, batch_size=windows, max_tokens=0):
                 x, y = x.to(self.device), y.to(self.device)
                 total += float(self._loss(x, y, reduction="sum"))
                 count += y.numel()
