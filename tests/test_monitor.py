@@ -14,12 +14,12 @@ from worldlm_p2p.net.records import LeaseRecord, ProgressRecord
 
 
 def _rec(label, region, *, peer_id=None, step=10, tokens=1000, loss=2.0, tps=100.0, t=100.0, finished=False,
-         round=2, world_round=-1, trend=(), epsilon=-1.0, fingerprint="f", bytes_sent=10):
+         round=2, world_round=-1, trend=(), epsilon=-1.0, fingerprint="f", bytes_sent=10, mix=(-1.0, -1.0)):
     return ProgressRecord(region=region, peer_id=peer_id or f"Qm{label}", label=label, step=step, tokens=tokens,
                           train_loss=loss, tokens_per_s=tps, rounds_completed=round, last_group_size=2,
                           bytes_sent=bytes_sent, bytes_received=5, round=round, waiting_for_round=-1,
                           fingerprint=fingerprint, time=t, finished=finished, world_round=world_round,
-                          loss_trend=tuple(trend), epsilon=epsilon)
+                          loss_trend=tuple(trend), epsilon=epsilon, mix_region=mix[0], mix_world=mix[1])
 
 
 def _lease(peer_id, region, since, expires, fingerprint="f"):
@@ -80,16 +80,18 @@ def test_sparkline():
 
 
 def test_monitor_view_renders_regions_leaders_totals_and_epsilon():
-    progress = [_rec("eu-a", "eu", trend=(3.0, 2.0), round=4, world_round=1),
-                _rec("eu-b", "eu", epsilon=2.25), _rec("na-a", "na", tokens=500)]
+    progress = [_rec("eu-a", "eu", trend=(3.0, 2.0), round=4, world_round=1, mix=(0.0625, 0.25)),
+                _rec("eu-b", "eu", epsilon=2.25, mix=(0.0, -1.0)), _rec("na-a", "na", tokens=500)]
     snap = build_snapshot(progress, [_lease("Qmeu-a", "eu", 1.0, 99.0)], run_id="demo", now=101.0, dht_now=60.0)
     console = Console(record=True, width=150)
     console.print(monitor_view(snap))
     text = console.export_text()
     for needle in ("WorldLM swarm · run demo", "leader eu-a (Qmeu-a)", "region round 4", "world round 1",
                    "★ eu-a", "eu-b", "na-a", "leader none", "ε 2.25", "2.25", "3 peers online in 2 regions",
-                   "2,500 tokens trained", "-33%", "1s "):
+                   "2,500 tokens trained", "-33%", "1s ", "took r/w", "0.06/0.25", "0.00/-"):
         assert needle in text, f"{needle!r} not in\n{text}"
+    assert snap["regions"]["eu"]["peers"][0]["mix_region"] == 0.0625 and snap["regions"]["na"]["peers"][0]["mix_world"] is None
+    assert "took r/w" not in text.split("na  leader")[1]  # a region without evidence mixing has no such column
     empty = build_snapshot([], [], run_id="demo", now=1.0, dht_now=1.0)
     console = Console(record=True, width=150)
     console.print(monitor_view(empty))

@@ -118,3 +118,14 @@ def test_progress_loss_trend_and_epsilon_on_the_wire():
                 dict(epsilon=-2.0), dict(epsilon="1")):
         with pytest.raises(ValueError):
             records.ProgressRecord.from_wire(dict(r.to_wire(), **bad))
+
+
+def test_progress_mixing_weights_on_the_wire():
+    r = _rec(mix_region=0.0625, mix_world=0.0)
+    assert records.ProgressRecord.from_wire(r.to_wire()) == r
+    assert _rec().to_wire()["mix_region"] == -1.0 and _rec().to_wire()["mix_world"] == -1.0  # -1: none yet
+    # a weight outside [0, 1] or not finite travels as "none"; the receiver refuses out-of-range values
+    assert _rec(mix_region=float("nan"), mix_world=1.5).to_wire()["mix_world"] == -1.0
+    for bad in (dict(mix_region=1.5), dict(mix_world=-2.0), dict(mix_region="0.1")):
+        with pytest.raises(ValueError):
+            records.ProgressRecord.from_wire(dict(r.to_wire(), **bad))

@@ -109,11 +109,14 @@ def monitor_view(snapshot: Mapping[str, Any]) -> RenderableType:
         if reg.get("border_epsilon") is not None:
             head.append(f" · border ε {reg['border_epsilon']:.3g}")
         dp = any(p["epsilon"] is not None for p in reg["peers"])
+        mixing = any(p.get("mix_region") is not None or p.get("mix_world") is not None for p in reg["peers"])
         table = Table(title=head, title_justify="left", expand=False)
         cols = [("id", "left"), ("peer", "left"), ("step", "right"), ("tokens", "right"), ("loss", "right"),
                 ("trend", "left"), ("tok/s", "right"), ("rounds", "right"), ("world", "right"), ("heard", "right")]  # heard: seconds since the peer's last record
         if dp:
             cols.append(("ε", "right"))
+        if mixing:  # evidence mixing: what the peer took of its region's model and of the world's changes
+            cols.append(("took r/w", "right"))
         cols.append(("status", "left"))
         for name, just in cols:
             # long labels are cut with an ellipsis rather than squeezing the numbers onto two lines
@@ -127,6 +130,8 @@ def monitor_view(snapshot: Mapping[str, Any]) -> RenderableType:
                    f"{p['seconds_since_heard']:.0f}s"]
             if dp:
                 row.append(f"{p['epsilon']:.2f}" if p["epsilon"] is not None else "-")
+            if mixing:
+                row.append("/".join(f"{p[k]:.2f}" if p.get(k) is not None else "-" for k in ("mix_region", "mix_world")))
             row.append(p["status"])
             table.add_row(*row)
         parts.append(table)

@@ -381,7 +381,8 @@ class Peer:
             world_round=s.world_round, leader=bool(self._lease is not None and self._lease.is_leader()),
             loss_trend=tuple(h["loss"] for h in s.history[-records.MAX_LOSS_TREND:]),
             epsilon=self._epsilon(),
-            border_epsilon=self._border.epsilon() if self._border is not None else -1.0)
+            border_epsilon=self._border.epsilon() if self._border is not None else -1.0,
+            mix_region=self._recent_mix("region"), mix_world=self._recent_mix("world"))
 
     def _epsilon(self) -> float:
         """The DP-SGD epsilon this peer has spent (-1: DP-SGD is off)."""
@@ -654,6 +655,11 @@ class Peer:
         if not self.rule.evidence or self.data.tune.numel() < 2:
             return None
         return lambda params: self.trainer.tune_loss(params)
+
+    def _recent_mix(self, kind: str, last: int = 8) -> float:
+        """The mean weight of this peer's last ``last`` mixing choices of ``kind`` (-1: none yet)."""
+        lams = [m["lam"] for m in self.stats.mixes if m["kind"] == kind][-last:]
+        return sum(lams) / len(lams) if lams else -1.0
 
     def _mix_safely(self, search, *, own: list[torch.Tensor]):
         """Run a mixing search; if evaluating the tune slice fails (out of memory, say), keep the

@@ -26,9 +26,12 @@ JSON (--json): one snapshot object per line, {"run_id", "time", "manifest", "reg
 "peers": [{"peer_id",
 "short_id", "label", "region", "step", "tokens", "train_loss", "tokens_per_s", "rounds_completed",
 "round", "world_round", "leader", "seconds_since_heard", "finished", "status", "epsilon", "border_epsilon",
-"bytes_sent", "bytes_received", "last_group_size", "loss_trend"}]}; "totals" has "regions", "peers",
-"peers_online", "tokens", "tokens_per_s", "bytes_sent". "epsilon" is null where differential
-privacy is off (epsilon: DP-SGD at the peers; border_epsilon: the region's border). Exit codes: 0 ok, 1 no peer of the run found within --wait, 2 bad input."""
+"mix_region", "mix_world", "bytes_sent", "bytes_received", "last_group_size", "loss_trend"}]}; "totals" has
+"regions", "peers", "peers_online", "tokens", "tokens_per_s", "bytes_sent". "epsilon" is null where
+differential privacy is off (epsilon: DP-SGD at the peers; border_epsilon: the region's border);
+"mix_region" / "mix_world" (the live view's "took r/w") are the mean weights a peer took of its
+region's agreed model and of the world's changes in its last 8 evidence-mixing choices, null before
+any. Exit codes: 0 ok, 1 no peer of the run found within --wait, 2 bad input."""
 
 
 def build_parser() -> ArgumentParser:

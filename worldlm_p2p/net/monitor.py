@@ -29,7 +29,10 @@ plain JSON-able dict; this is the schema ``worldlm-monitor --once --json`` print
              "rounds_completed": 4, "round": 4, "world_round": 1, "leader": true,
              "seconds_since_heard": 1.3, "finished": false,
              "status": "training",         # or "round N" (in region round N), or "finished"
-             "epsilon": null, "border_epsilon": null, "bytes_sent": 123456, "bytes_received": 120000,
+             "epsilon": null, "border_epsilon": null,
+             "mix_region": 0.06 | null,    # evidence mixing: mean weight it took of the region's model
+             "mix_world": 0.02 | null,     # and of the world's changes, over its last 8 choices
+             "bytes_sent": 123456, "bytes_received": 120000,
              "last_group_size": 2, "loss_trend": [3.1, 2.8, 2.6]}
           ]
         }
@@ -112,7 +115,9 @@ def build_snapshot(progress: Sequence[ProgressRecord], leases: Sequence[LeaseRec
                 rounds_completed=r.rounds_completed, round=r.round, world_round=r.world_round,
                 leader=r.peer_id == leader, seconds_since_heard=max(0.0, now - r.time), finished=r.finished,
                 status=_status(r), epsilon=r.epsilon if r.epsilon >= 0 else None,
-                border_epsilon=r.border_epsilon if r.border_epsilon >= 0 else None, bytes_sent=r.bytes_sent,
+                border_epsilon=r.border_epsilon if r.border_epsilon >= 0 else None,
+                mix_region=r.mix_region if r.mix_region >= 0 else None,
+                mix_world=r.mix_world if r.mix_world >= 0 else None, bytes_sent=r.bytes_sent,
                 bytes_received=r.bytes_received, last_group_size=r.last_group_size,
                 loss_trend=list(r.loss_trend)))
         online = [p for p in peers if not p["finished"]]

@@ -70,6 +70,8 @@ class _ProgressModel(pydantic.BaseModel):
     loss_trend: pydantic.conlist(_NonNegFloat, max_items=MAX_LOSS_TREND) = []
     epsilon: pydantic.confloat(strict=True, ge=-1, allow_inf_nan=False) = -1.0
     border_epsilon: pydantic.confloat(strict=True, ge=-1, allow_inf_nan=False) = -1.0
+    mix_region: pydantic.confloat(strict=True, ge=-1, le=1, allow_inf_nan=False) = -1.0
+    mix_world: pydantic.confloat(strict=True, ge=-1, le=1, allow_inf_nan=False) = -1.0
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -191,6 +193,10 @@ class ProgressRecord:
     loss_trend: tuple[float, ...] = ()
     epsilon: float = -1.0  # privacy budget spent by the peer's DP-SGD (-1: differential privacy is off)
     border_epsilon: float = -1.0  # what its region has spent at its border, as this peer knows it (-1: off)
+    # evidence mixing: the mean weight the peer took of its region's agreed model / of the world's
+    # changes in its last few choices (-1: none made)
+    mix_region: float = -1.0
+    mix_world: float = -1.0
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -200,6 +206,9 @@ class ProgressRecord:
         for key in ("epsilon", "border_epsilon"):
             eps = float(d[key])
             d[key] = eps if math.isfinite(eps) and eps >= 0 else -1.0
+        for key in ("mix_region", "mix_world"):
+            lam = float(d[key])
+            d[key] = lam if math.isfinite(lam) and 0 <= lam <= 1 else -1.0
         for k in ("train_loss", "tokens_per_s", "time"):
             v = float(d[k])
             d[k] = v if math.isfinite(v) and v >= 0 else 0.0
