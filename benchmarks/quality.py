@@ -257,6 +257,31 @@ def corpus_tables(corpus: str, budget: Budget, layout, results: dict[str, dict[i
     return lines + [""], summary
 
 
+def targets_table(summary: dict[str, Any], args) -> list[str]:
+    """One line per corpus and budget against issue 10's targets."""
+    lines = ["### Against the targets", "",
+             "| corpus | budget | worldlm vs local, region mean | regions worse than local beyond the seed spread | "
+             "peers better than local | fedavg / worldlm | hierfavg / worldlm | centralized / worldlm |",
+             "|---|---|---:|---|---:|---:|---:|---:|"]
+    for key, summ in summary.items():
+        corpus, budget = key.split(".")
+        al = summ.get("against_local")
+        w = summ.get("worldlm", {}).get("region_mean")
+        if al is None or w is None:
+            continue
+
+        def ratio(v: str) -> str:
+            x = summ.get(v, {}).get("region_mean")
+            return "-" if x is None else f"{fmt(x / w)}x"
+
+        lines.append(f"| {corpus} | {budget} | {al['region_mean_gain'] * 100:+.1f}% | "
+                     f"{', '.join(al['regions_worse']) or 'none'} of {al['regions']} | {al['peers_better']} of "
+                     f"{al['peers']} | {ratio('fedavg')} | {ratio('hierfavg')} | {ratio('centralized')} |")
+    return lines + ["", "Targets: at least 5% better than local in the region mean and no region worse than local "
+                    "beyond the seed spread, on every corpus and at both budgets; fedavg / worldlm >= 1.91x and "
+                    "hierfavg / worldlm >= 1.86x; stretch: below centralized in every region.", ""]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="for iteration: 2 corpora (scripts, related), the short budget "
@@ -348,6 +373,7 @@ def main() -> None:
             text, summ = corpus_tables(c, b, layouts[c], by_variant, args)
             lines += text
             summary[f"{c}.{b.name}"] = summ
+    lines = lines[:4] + targets_table(summary, args) + lines[4:]
     if failures:
         lines += ["Failed runs:", *[f"- {x}" for x in failures], ""]
     commands = sorted({res.get("command", "") for res in results.values()} - {""})
