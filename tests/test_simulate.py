@@ -23,7 +23,7 @@ from worldlm_p2p.aggregation import allreduce_traffic, round_weight
 from worldlm_p2p.config import AggregationConfig, PrivacyConfig, TrainConfig, model_preset
 from worldlm_p2p.privacy import BorderAccountant
 from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, member_world_mix,
-                                region_round, region_round_with_anchor, world_round)
+                                region_round_with_anchor, world_round)
 from worldlm_p2p.simulate import SimConfig, Simulator, simulate
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.train import (ByteTokenizer, LocalTrainer, build_model, get_flat_params, hold_out_tune, load_texts,
