@@ -14,7 +14,8 @@ peers, where the key layers' attention acts, and several regions), with 3 seeds,
   paper's WorldLM, no evidence), ``K-mean`` (plain mean instead of attention for the key layers
   inside a region) and ``no-residual`` (no residual-embedding exchange of key layers between
   leaders); on request (``--ablations``) also ``mix-cosine`` (the earlier personal mix by update
-  cosine) and ``no-mix-world`` (world changes taken whole).
+  cosine), ``no-mix-world`` (world changes taken whole) and ``tune-spread`` (the tune slice in 8
+  pieces spread over the training text instead of its tail).
 
 ``local`` does not depend on the grouping (a peer's batch stream is a function of the seed and its
 sub-corpus only), so it runs once per seed on every sub-corpus the corpora use, and each corpus
@@ -63,6 +64,7 @@ ABLATIONS = {
     "no-mix-world": ["--no-mix-world"],
     "K-mean": ["--attention", "mean"],
     "no-residual": ["--no-residual"],
+    "tune-spread": ["--tune-pieces", "8"],
 }
 DEFAULT_ABLATIONS = ("mix-none", "K-mean", "no-residual")  # the others on request (--ablations)
 

@@ -246,7 +246,7 @@ def tune_trainer(tmp, argv, rule):
     agg, tok = m.aggregation, ByteTokenizer()
     data = tokenize_splits(load_texts(argv[argv.index("--data") + 1]), tok)
     data = hold_out_tune(data, fraction=agg.tune_fraction, max_tokens=agg.tune_tokens, seq_len=m.train.seq_len,
-                         eos_id=tok.eos_id)
+                         eos_id=tok.eos_id, pieces=agg.tune_pieces)
     assert rule.evidence and data.tune.numel() > 0
     return LocalTrainer(model=build_model(m.model, vocab_size=tok.vocab_size, seed=m.train.seed), train=m.train,
                         data=data, device=torch.device("cpu"), seed=0)

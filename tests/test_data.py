@@ -369,6 +369,25 @@ def test_hold_out_tune_takes_the_tail_at_a_document_boundary() -> None:
     assert hold_out_tune(data, fraction=0.001, max_tokens=100, seq_len=16, eos_id=tok.eos_id).tune.numel() >= 17 - 8
 
 
+def test_hold_out_tune_in_pieces_spread_over_the_text() -> None:
+    from dataclasses import replace
+
+    data = replace(_stream(["x"]), train=torch.arange(100))
+    # 20% of 100 = 20 tokens in 2 pieces of 10: the tail of each half of the stream
+    out = hold_out_tune(data, fraction=0.2, max_tokens=1000, seq_len=4, pieces=2)
+    assert out.tune.tolist() == list(range(40, 50)) + list(range(90, 100))
+    assert out.train.tolist() == list(range(40)) + list(range(50, 90))
+    # a piece starts after a document boundary in its first half (42 plays the EOS here)
+    out = hold_out_tune(data, fraction=0.2, max_tokens=1000, seq_len=4, pieces=2, eos_id=42)
+    assert out.tune.tolist() == list(range(43, 50)) + list(range(90, 100))
+    assert out.train.tolist() == list(range(43)) + list(range(50, 90))
+    # no more pieces than windows of seq_len + 1 fit in the slice: 20 tokens hold one window of 17
+    one = hold_out_tune(data, fraction=0.2, max_tokens=1000, seq_len=16, pieces=8)
+    assert one.tune.tolist() == list(range(80, 100))
+    # one piece is the tail, as before
+    assert torch.equal(hold_out_tune(data, fraction=0.2, max_tokens=1000, seq_len=4, pieces=1).tune, torch.arange(80, 100))
+
+
 def test_hold_out_tune_leaves_tiny_data_alone(caplog) -> None:
     data = _stream(["short"])
     out = hold_out_tune(data, fraction=0.05, max_tokens=2048, seq_len=16, eos_id=257)
@@ -376,6 +395,8 @@ def test_hold_out_tune_leaves_tiny_data_alone(caplog) -> None:
     assert "too short to hold a tune slice apart" in caplog.text
     with pytest.raises(ConfigError, match="fraction"):
         hold_out_tune(data, fraction=1.5, max_tokens=10, seq_len=16)
+    with pytest.raises(ConfigError, match="pieces"):
+        hold_out_tune(data, fraction=0.5, max_tokens=10, seq_len=16, pieces=0)
 
 
 def _grouping(tmp_path: Path, text: str) -> Path:

@@ -199,7 +199,7 @@ class _Rebuilt:
         agg = config.aggregation
         if agg.strategy == "worldlm" and agg.mix == "evidence":
             data = hold_out_tune(data, fraction=agg.tune_fraction, max_tokens=agg.tune_tokens,
-                                 seq_len=config.train.seq_len, eos_id=ByteTokenizer().eos_id)
+                                 seq_len=config.train.seq_len, eos_id=ByteTokenizer().eos_id, pieces=agg.tune_pieces)
             assert data.tune.numel() > 0
         self.trainer = LocalTrainer(model=self.model, train=config.train, data=data, device=torch.device("cpu"),
                                     seed=peer_data_seed(config.train.seed, self.label))

@@ -163,6 +163,9 @@ class AggregationConfig:
       as its evidence supports (False: every member adds the whole change, as the region does).
     - ``tune_fraction`` / ``tune_tokens``: the tune slice, held apart from each member's training
       text for ``mix = "evidence"``: this fraction of its training tokens, at most ``tune_tokens``.
+    - ``tune_pieces``: the tune slice is taken in this many equal pieces spread evenly over the
+      training text (each at the end of its share of the stream), so that it samples more than the
+      text's last document or two (1: one piece, the tail).
     - ``personal_tau`` / ``personal_scope``: the temperature and scope (``"all"`` or ``"key"``) of
       ``mix = "cosine"``.
     - ``outer`` / ``outer_lr`` / ``outer_momentum``: the outer optimizer applied to the backbone at
@@ -183,6 +186,7 @@ class AggregationConfig:
     mix_world: bool = True
     tune_fraction: float = 0.05
     tune_tokens: int = 2048
+    tune_pieces: int = 1
     personal_tau: float = 0.1
     personal_scope: str = "all"
     outer: str = "sgd"
@@ -204,6 +208,7 @@ class AggregationConfig:
         _require(self.mix in MIX_RULES, "aggregation.mix", f"{self.mix!r} is not one of {', '.join(MIX_RULES)}")
         _require(0 < self.tune_fraction < 1, "aggregation.tune_fraction", "must be in (0, 1), e.g. 0.05")
         _require(self.tune_tokens >= 1, "aggregation.tune_tokens", "must be a positive integer")
+        _require(self.tune_pieces >= 1, "aggregation.tune_pieces", "must be a positive integer")
         _require(self.personal_tau > 0 or self.mix != "cosine", "aggregation.personal_tau",
                  "must be > 0 with mix = \"cosine\" (use mix = \"none\" to make members adopt the agreed model)")
         _require(self.personal_tau >= 0, "aggregation.personal_tau", "must be >= 0")

@@ -153,7 +153,7 @@ class Peer:
         agg = m.aggregation
         if agg.strategy == "worldlm" and agg.mix == "evidence":  # the tune slice: evidence for mixing
             self.data = hold_out_tune(self.data, fraction=agg.tune_fraction, max_tokens=agg.tune_tokens,
-                                      seq_len=m.train.seq_len, eos_id=self.tokenizer.eos_id)
+                                      seq_len=m.train.seq_len, eos_id=self.tokenizer.eos_id, pieces=agg.tune_pieces)
             if cfg.privacy.peer and self.data.tune.numel():
                 logger.warning("DP-SGD covers the training text; the tune slice (%d tokens held apart for "
                                "evidence mixing) is outside its guarantee: the mixing weight chosen on it each "

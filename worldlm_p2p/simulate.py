@@ -134,7 +134,7 @@ class Simulator:
                 data = tokenize_splits(load_texts(sub), self.tokenizer)
                 if evidence:  # the tune slice: training text held apart for the members' evidence
                     data = hold_out_tune(data, fraction=agg.tune_fraction, max_tokens=agg.tune_tokens,
-                                         seq_len=t.seq_len, eos_id=self.tokenizer.eos_id)
+                                         seq_len=t.seq_len, eos_id=self.tokenizer.eos_id, pieces=agg.tune_pieces)
                 if data.train.numel() < t.seq_len + 1:
                     raise DataError(f"{sub}: {data.train.numel()} training tokens, fewer than one window of "
                                     f"{t.seq_len + 1}")

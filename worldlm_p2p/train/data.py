@@ -283,15 +283,18 @@ def tokenize_splits(splits: TextSplits, tokenizer: Tokenizer, *, seq_len: int | 
 
 
 def hold_out_tune(data: TokenData, *, fraction: float, max_tokens: int, seq_len: int,
-                  eos_id: int | None = None) -> TokenData:
-    """Move the tail of the training stream into ``data.tune``: ``fraction`` of its tokens, at most
-    ``max_tokens`` and at least one window of ``seq_len + 1``, starting after a document boundary
-    (``eos_id``) when there is one in the first half of the tail, so that no document is split between the two. The
-    rest stays the training stream. When the stream is too short to leave two windows to train on,
-    nothing is taken (``tune`` stays empty) and a warning says so."""
-    if not 0 < fraction < 1 or max_tokens <= 0 or seq_len <= 0:
-        raise ConfigError(f"hold_out_tune: fraction {fraction} must lie in (0, 1), max_tokens {max_tokens} and "
-                          f"seq_len {seq_len} must be positive")
+                  eos_id: int | None = None, pieces: int = 1) -> TokenData:
+    """Move part of the training stream into ``data.tune``: ``fraction`` of its tokens, at most
+    ``max_tokens`` and at least one window of ``seq_len + 1``. With ``pieces = 1`` it is the tail of
+    the stream; with more, the stream is cut into ``pieces`` equal shares and the tail of each share
+    (an equal part of the slice, at least one window) is taken, so that the slice samples the whole
+    text (fewer pieces when the slice cannot hold one window per piece). Each piece starts after a
+    document boundary (``eos_id``) when there is one in its first half, so that no document is split
+    between the two. The rest, in order, stays the training stream. When the stream is too short to
+    leave two windows to train on, nothing is taken (``tune`` stays empty) and a warning says so."""
+    if not 0 < fraction < 1 or max_tokens <= 0 or seq_len <= 0 or pieces <= 0:
+        raise ConfigError(f"hold_out_tune: fraction {fraction} must lie in (0, 1), max_tokens {max_tokens}, "
+                          f"seq_len {seq_len} and pieces {pieces} must be positive")
     n = int(data.train.numel())
     want = max(seq_len + 1, min(int(max_tokens), int(n * fraction)))
     if n - want < 2 * (seq_len + 1):
@@ -299,12 +302,19 @@ def hold_out_tune(data: TokenData, *, fraction: float, max_tokens: int, seq_len:
                        "evidence this peer keeps its own model and takes nothing from its region or the world", n,
                        want + 2 * (seq_len + 1))
         return data
-    start = n - want
-    hits = (torch.nonzero(data.train[start:start + want // 2] == eos_id).flatten() if eos_id is not None
-            else torch.zeros(0, dtype=torch.long))
-    if hits.numel() and (n - (start + int(hits[0]) + 1)) >= seq_len + 1:
-        start += int(hits[0]) + 1
-    return replace(data, train=data.train[:start].clone(), tune=data.train[start:].clone())
+    pieces = max(1, min(int(pieces), want // (seq_len + 1)))
+    length, share = want // pieces, n // pieces
+    keep, tune = [], []
+    for i in range(pieces):
+        lo, end = i * share, (n if i == pieces - 1 else (i + 1) * share)
+        start = end - (want if pieces == 1 else length)
+        hits = (torch.nonzero(data.train[start:start + (end - start) // 2] == eos_id).flatten() if eos_id is not None
+                else torch.zeros(0, dtype=torch.long))
+        if hits.numel() and (end - (start + int(hits[0]) + 1)) >= seq_len + 1:
+            start += int(hits[0]) + 1
+        keep.append(data.train[lo:start])
+        tune.append(data.train[start:end])
+    return replace(data, train=torch.cat(keep).clone(), tune=torch.cat(tune).clone())
 
 
 def check_stream_length(tokens: torch.Tensor, seq_len: int, *, what: str) -> None:
