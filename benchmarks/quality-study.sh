@@ -2,7 +2,8 @@
 # The quality study of benchmarks/RESULTS.md (issue 10), in the order it was run: what the targets
 # need first, so that a study cut short still answers the main question. Every phase is one
 # benchmarks/quality.py invocation on the same --workdir, so each reuses the runs of the others (and
-# of an earlier, stopped study); the last one only builds the tables from what is there.
+# of an earlier, stopped study); the last one only builds the tables from what is there and lists
+# the runs of the full plan that were not made.
 #
 #   bash benchmarks/quality-study.sh            # about 2.5 hours on 2 cores
 #   WORKDIR=/some/dir bash benchmarks/quality-study.sh
@@ -13,17 +14,17 @@ W=${WORKDIR:-benchmarks/out/quality-runs}
 Q="$PY benchmarks/quality.py --workdir $W"
 # 1. long budget: worldlm and local, 3 seeds, and fedavg / hierfavg, on the three smaller corpora
 $Q --budgets long --corpora scripts,related,mixed --baselines fedavg,hierfavg --ablations "" --out "$W/p1.json"
-# 2. short budget: everything (5 corpora, every baseline, the ablations on related and mixed, 3 seeds)
-$Q --budgets short --out "$W/p2.json"
-# 3. long budget: the ablations of WorldLM's mechanisms on related, 3 seeds
+# 2. long budget: the tune slice in 8 pieces spread over the text instead of its tail, 3 seeds
+$Q --budgets long --corpora scripts,related --ablation-corpora scripts,related --ablations tune-spread \
+   --baselines "" --out "$W/p2.json"
+# 3. short budget: everything (5 corpora, every baseline, the ablations on related and mixed, 3 seeds)
+$Q --budgets short --out "$W/p3.json"
+# 4. long budget: the ablations of WorldLM's mechanisms on related, 3 seeds
 $Q --budgets long --corpora related --ablation-corpora related --ablations K-mean,no-residual --baselines "" \
-   --out "$W/p3.json"
-# 4. long budget: the two larger corpora, one seed, with fedavg
-$Q --budgets long --corpora random,today --seeds 1 --baselines fedavg --ablations "" --out "$W/p4.json"
-# 5. long budget: random with 3 seeds
-$Q --budgets long --corpora random --baselines "" --ablations "" --out "$W/p5.json"
-# 6. long budget: the ablations on mixed, 3 seeds
-$Q --budgets long --corpora mixed --ablation-corpora mixed --ablations K-mean,no-residual --baselines "" \
-   --out "$W/p6.json"
-# the tables of everything above (runs of the full plan that were not made are listed as not run)
-$Q --report-only --out benchmarks/out/quality.json
+   --out "$W/p4.json"
+# 5. long budget: the two larger corpora, one seed (random with fedavg)
+$Q --budgets long --corpora random --seeds 1 --baselines fedavg --ablations "" --out "$W/p5.json"
+$Q --budgets long --corpora today --seeds 1 --baselines "" --ablations "" --out "$W/p6.json"
+# the tables of everything above; the runs of the full plan that were not made are listed as not run
+$Q --report-only --ablation-corpora scripts,related,mixed --ablations mix-none,K-mean,no-residual,tune-spread \
+   --out benchmarks/out/quality.json

@@ -14,8 +14,9 @@ peers, where the key layers' attention acts, and several regions), with 3 seeds,
   paper's WorldLM, no evidence), ``K-mean`` (plain mean instead of attention for the key layers
   inside a region) and ``no-residual`` (no residual-embedding exchange of key layers between
   leaders); on request (``--ablations``) also ``mix-cosine`` (the earlier personal mix by update
-  cosine), ``no-mix-world`` (world changes taken whole) and ``tune-spread`` (the tune slice in 8
-  pieces spread over the training text instead of its tail).
+  cosine), ``no-mix-world`` (world changes taken whole) ``tune-spread`` (the tune slice in 8
+  pieces spread over the training text instead of its tail) and ``world-full`` (a member may take up
+  to the whole of a world change per round instead of a quarter).
 
 ``local`` does not depend on the grouping (a peer's batch stream is a function of the seed and its
 sub-corpus only), so it runs once per seed on every sub-corpus the corpora use, and each corpus
@@ -65,6 +66,7 @@ ABLATIONS = {
     "K-mean": ["--attention", "mean"],
     "no-residual": ["--no-residual"],
     "tune-spread": ["--tune-pieces", "8"],
+    "world-full": ["--mix-world-max", "1"],
 }
 DEFAULT_ABLATIONS = ("mix-none", "K-mean", "no-residual")  # the others on request (--ablations)
 
@@ -310,7 +312,7 @@ def targets_table(summary: dict[str, Any], args) -> list[str]:
             return "-" if x is None else f"{fmt(x / w)}x"
 
         lines.append(f"| {corpus} | {budget} | {-al['region_mean_gain'] * 100:+.1f}% | "
-                     f"{', '.join(al['regions_worse']) or 'none'} of {al['regions']} | {al['peers_better']} of "
+                     f"{', '.join(al['regions_worse']) or 'none'} (of {al['regions']}) | {al['peers_better']} of "
                      f"{al['peers']} | {ratio('fedavg')} | {ratio('hierfavg')} | {ratio('centralized')} |")
     return lines + ["", "Targets: at least 5% better than local in the region mean and no region worse than local "
                     "beyond the seed spread, on every corpus and at both budgets; fedavg / worldlm >= 1.91x and "

@@ -388,3 +388,24 @@ def test_a_group_of_one_is_the_identity(strategy):
     assert all(torch.equal(a, b) for a, b in zip(agreed, members[0]))
     assert mom is momentum
     assert choices == ([None] if rule.evidence else [])
+
+
+def test_world_grid_and_the_largest_world_step() -> None:
+    from worldlm_p2p.rounds import WORLD_GRID, member_world_mix, world_grid
+
+    assert world_grid(0.25) == WORLD_GRID == (1 / 16, 1 / 4)
+    assert world_grid(1.0) == (1 / 16, 1 / 4, 1.0)
+    assert world_grid(0.5) == (1 / 16, 1 / 4, 0.5)
+    with pytest.raises(ValueError, match="largest world step"):
+        world_grid(0.0)
+    # a loss that keeps falling towards the whole change: the member takes the largest step allowed
+    own, change = [torch.zeros(3)], [torch.ones(3)]
+
+    def loss_of(params):
+        return float((params[0] - 1).pow(2).sum())
+
+    for max_step, expected in ((0.25, 0.25), (1.0, 1.0)):
+        rule = RoundRule(strategy="worldlm", split=SPLIT, mix="evidence", mix_world_max=max_step)
+        out, choice = member_world_mix(rule, own=own, change=change, loss_of=loss_of)
+        assert choice.lam == expected
+        assert torch.allclose(out[0], torch.full((3,), expected))

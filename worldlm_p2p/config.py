@@ -160,7 +160,8 @@ class AggregationConfig:
       ``"none"``: it adopts the agreed model (the paper's behaviour). The region's agreed model
       (B + the region's K) is the same in every case.
     - ``mix_world``: with ``mix = "evidence"``, a member also takes a world round's change only as far
-      as its evidence supports (False: every member adds the whole change, as the region does).
+      as its evidence supports (False: every member adds the whole change, as the region does);
+      ``mix_world_max``: the largest fraction of a world change it tries in one round (0.25).
     - ``tune_fraction`` / ``tune_tokens``: the tune slice, held apart from each member's training
       text for ``mix = "evidence"``: this fraction of its training tokens, at most ``tune_tokens``.
     - ``tune_pieces``: the tune slice is taken in this many equal pieces spread evenly over the
@@ -184,6 +185,7 @@ class AggregationConfig:
     residual_beta: float = 0.5
     mix: str = "evidence"
     mix_world: bool = True
+    mix_world_max: float = 0.25
     tune_fraction: float = 0.05
     tune_tokens: int = 2048
     tune_pieces: int = 1
@@ -206,6 +208,7 @@ class AggregationConfig:
         _require(self.residual_tau > 0, "aggregation.residual_tau", "must be > 0")
         _require(0 <= self.residual_beta <= 1, "aggregation.residual_beta", "must be in [0, 1]")
         _require(self.mix in MIX_RULES, "aggregation.mix", f"{self.mix!r} is not one of {', '.join(MIX_RULES)}")
+        _require(0 < self.mix_world_max <= 1, "aggregation.mix_world_max", "must be in (0, 1], e.g. 0.25")
         _require(0 < self.tune_fraction < 1, "aggregation.tune_fraction", "must be in (0, 1), e.g. 0.05")
         _require(self.tune_tokens >= 1, "aggregation.tune_tokens", "must be a positive integer")
         _require(self.tune_pieces >= 1, "aggregation.tune_pieces", "must be a positive integer")

@@ -42,12 +42,20 @@ from worldlm_p2p.split import ParamSplit
 
 FETCH_MIN_WEIGHT = 1e-3  # a leader fetches another region's full residual only above this weight
 EVIDENCE_GRID = mixing.DEFAULT_GRID  # the mixing weights a member tries on its tune slice
-#: ... and for a world round's change: at most a quarter of it per world round. The world's model is
-#: usually far from a member's (other languages); a large jump chosen on one round's evidence (say
-#: while the member's own loss spikes) derails the member's training for many steps (measured:
-#: zh_wiki of the scripts corpus, 54 against 35 at the short budget), while repeated quarter steps
-#: still close the gap to a world that helps geometrically.
+#: ... and for a world round's change: by default at most a quarter of it per world round
+#: (``aggregation.mix_world_max``). The world's model is usually far from a member's (other
+#: languages); a large jump chosen on one round's evidence (say while the member's own loss spikes)
+#: derails the member's training for many steps (measured: zh_wiki of the scripts corpus, 54 against
+#: 35 at the short budget), while repeated quarter steps still close the gap to a world that helps.
 WORLD_GRID = (1 / 16, 1 / 4)
+
+
+def world_grid(max_step: float) -> tuple[float, ...]:
+    """The points of :data:`EVIDENCE_GRID` up to ``max_step``, and ``max_step`` itself: the fractions
+    of a world change a member tries (0.25 gives :data:`WORLD_GRID`, 1.0 the region's grid)."""
+    if not 0 < max_step <= 1:
+        raise ValueError(f"the largest world step must lie in (0, 1], got {max_step}")
+    return tuple(sorted({x for x in EVIDENCE_GRID if x <= max_step} | {float(max_step)}))
 
 #: a member's tune-slice loss of a parameter list (nats per token)
 LossOf = Callable[[list[torch.Tensor]], float]
@@ -71,6 +79,7 @@ class RoundRule:
     residual_beta: float = 0.5
     mix: str = "none"  # worldlm: what a member keeps: "evidence" (mixing), "cosine" (personal mix), "none"
     mix_world: bool = True  # evidence: a member takes a world change only as far as its evidence supports
+    mix_world_max: float = 0.25  # evidence: the largest fraction of a world change tried per round
     personal_tau: float = 0.0  # the temperature of mix = "cosine" (attention.personalize)
     personal_scope: str = "all"  # what the cosine mix covers: "key" (K) or "all" (B and K)
     seed: int = 0
@@ -81,7 +90,7 @@ class RoundRule:
                    outer=agg.outer, outer_lr=agg.outer_lr, outer_momentum=agg.outer_momentum,
                    residual=agg.residual, residual_dim=agg.residual_dim, residual_tau=agg.residual_tau,
                    residual_beta=agg.residual_beta, mix=agg.mix, mix_world=agg.mix_world,
-                   personal_tau=agg.personal_tau, personal_scope=agg.personal_scope, seed=seed)
+                   mix_world_max=agg.mix_world_max, personal_tau=agg.personal_tau, personal_scope=agg.personal_scope, seed=seed)
 
     @property
     def localises(self) -> bool:
@@ -183,11 +192,12 @@ def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Se
     (the region's agreed model always takes the whole change). With ``mix="evidence"`` and
     ``mix_world`` the member adds ``lam * change``, ``lam`` from its tune slice (no slice: 0);
     otherwise the whole change (rebasing: the local progress made meanwhile is kept). The evidence
-    search tries at most a quarter of the change (:data:`WORLD_GRID`)."""
+    search tries at most ``rule.mix_world_max`` of the change (:func:`world_grid`; by default a
+    quarter, :data:`WORLD_GRID`)."""
     if rule.evidence and rule.mix_world:
         if loss_of is None:
             return [t.detach().clone() for t in own], None
-        return mixing.mix_change(own, change, loss_of, grid=WORLD_GRID, own_loss=own_loss)
+        return mixing.mix_change(own, change, loss_of, grid=world_grid(rule.mix_world_max), own_loss=own_loss)
     return [t + d.to(t.dtype) for t, d in zip(own, change)], None
 
 

@@ -54,6 +54,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--tune-fraction", type=float, help="share of each peer's training tokens held apart as its "
                                                        "tune slice for --mix evidence (default 0.05)")
     p.add_argument("--tune-tokens", type=int, help="at most this many tokens in a tune slice (default 2048)")
+    p.add_argument("--mix-world-max", type=float, help="largest fraction of a world change a member tries per "
+                                                       "round with --mix evidence (default 0.25)")
     p.add_argument("--tune-pieces", type=int, help="take the tune slice in this many pieces spread over the "
                                                    "training text (default 1: its tail)")
     p.add_argument("--personal-tau", type=float, help="temperature of --mix cosine (default 0.1)")
@@ -92,6 +94,7 @@ def _overrides(args) -> dict[str, dict]:
                                ("mix", "aggregation", "mix"), ("tune_fraction", "aggregation", "tune_fraction"),
                                ("tune_tokens", "aggregation", "tune_tokens"),
                                ("tune_pieces", "aggregation", "tune_pieces"),
+                               ("mix_world_max", "aggregation", "mix_world_max"),
                                ("personal_tau", "aggregation", "personal_tau"),
                                ("personal_scope", "aggregation", "personal_scope"),
                                ("outer_lr", "aggregation", "outer_lr"),
