@@ -434,7 +434,8 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     out.parent.mkdir(parents=True, exist_ok=True)
-    compact = {name: {**{k: res[k] for k in ("strategy", "regions", "peers", "world", "tokens", "wall_seconds", "command")
+    compact = {name: {**{k: res[k] for k in ("strategy", "regions", "peers", "world", "tokens", "history", "wall_seconds",
+                                   "command")
                          if k in res}, "took": res.get("took") or took(res)} for name, res in sorted(results.items())}
     out.write_text(json.dumps(dict(args={k: str(v) for k, v in vars(args).items()}, summary=summary,
                                    results=compact, wall_seconds=wall), indent=1))
