@@ -289,8 +289,9 @@ def hold_out_tune(data: TokenData, *, fraction: float, max_tokens: int, seq_len:
     the stream; with more, the stream is cut into ``pieces`` equal shares and the tail of each share
     (an equal part of the slice, at least one window) is taken, so that the slice samples the whole
     text (fewer pieces when the slice cannot hold one window per piece). Each piece starts after a
-    document boundary (``eos_id``) when there is one in its first half, so that no document is split
-    between the two. The rest, in order, stays the training stream. When the stream is too short to
+    document boundary (``eos_id``) when there is one in its first half (with one piece, no document
+    is then split between the two; with more, a piece ends where its share does, which may be inside
+    a document). The rest, in order, stays the training stream. When the stream is too short to
     leave two windows to train on, nothing is taken (``tune`` stays empty) and a warning says so."""
     if not 0 < fraction < 1 or max_tokens <= 0 or seq_len <= 0 or pieces <= 0:
         raise ConfigError(f"hold_out_tune: fraction {fraction} must lie in (0, 1), max_tokens {max_tokens}, "
