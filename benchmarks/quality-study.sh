@@ -5,7 +5,7 @@
 # of an earlier, stopped study); the last one only builds the tables from what is there and lists
 # the runs of the full plan that were not made.
 #
-#   bash benchmarks/quality-study.sh            # about 3.5 hours on 2 cores
+#   bash benchmarks/quality-study.sh            # about 5 hours on 2 cores (phases 8-10: about 1.3)
 #   WORKDIR=/some/dir bash benchmarks/quality-study.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +31,16 @@ $Q --budgets long,short --corpora scripts --ablation-corpora scripts --ablations
 # 6. long budget: the two larger corpora, one seed (random with fedavg)
 $Q --budgets long --corpora random --seeds 1 --baselines fedavg --ablations "" --out "$W/p6.json"
 $Q --budgets long --corpora today --seeds 1 --baselines "" --ablations "" --out "$W/p7.json"
+# 8. world attention (the world change towards the regions nearest by residual sketches, whole model)
+#    and the significance test of evidence mixing (z = 2), alone and with whole world changes:
+#    short budget on every corpus, 3 seeds; long budget where they could gain or hurt
+$Q --budgets short --corpora scripts,related,mixed,today,random --ablation-corpora scripts,related,mixed,today,random \
+   --ablations world-attn,mix-z2,attn-z2,full-z2,attn-full-z2 --baselines "" --out "$W/p8.json"
+$Q --budgets long --corpora related,mixed --ablation-corpora related,mixed --ablations world-attn --baselines "" \
+   --out "$W/p9.json"
+$Q --budgets long --corpora scripts --ablation-corpora scripts --ablations mix-z2 --baselines "" \
+   --out "$W/p10.json"
 # the tables of everything above; the runs of the full plan that were not made are listed as not run
-$Q --report-only --ablation-corpora scripts,related,mixed --ablations mix-none,K-mean,no-residual,tune-spread,world-full \
+$Q --report-only --ablation-corpora scripts,related,mixed,today,random \
+   --ablations mix-none,K-mean,no-residual,tune-spread,world-full,world-attn,mix-z2,attn-z2,full-z2,attn-full-z2 \
    --out benchmarks/out/quality.json

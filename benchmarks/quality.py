@@ -67,6 +67,11 @@ ABLATIONS = {
     "no-residual": ["--no-residual"],
     "tune-spread": ["--tune-pieces", "8"],
     "world-full": ["--mix-world-max", "1"],
+    "world-attn": ["--world-target", "attention"],
+    "mix-z2": ["--mix-z", "2"],
+    "attn-z2": ["--world-target", "attention", "--mix-z", "2"],
+    "full-z2": ["--mix-world-max", "1", "--mix-z", "2"],
+    "attn-full-z2": ["--world-target", "attention", "--mix-world-max", "1", "--mix-z", "2"],
 }
 DEFAULT_ABLATIONS = ("mix-none", "K-mean", "no-residual")  # the others on request (--ablations)
 
@@ -206,11 +211,18 @@ def took(res: dict[str, Any]) -> dict[str, dict[str, float]]:
     for region, mixes in by_region.items():
         reg = [m["lam"] for m in mixes if m["kind"] == "region"]
         wor = [m["lam"] for m in mixes if m["kind"] == "world"]
-        selfw = [w for wr in res.get("world_rounds") or [] for w in wr.get("weights", {}).get(region, {}).get(region, [])]
+        rounds_w = [wr.get("weights", {}).get(region, {}) for wr in res.get("world_rounds") or []]
+        selfw = [w for ws in rounds_w for w in ws.get(region, [])]
+        # world attention (the region is not among its own weights): the region it leaned on most
+        tops = [max(ws.items(), key=lambda kv: (statistics.fmean(kv[1]), kv[0])) for ws in rounds_w
+                if ws and region not in ws]
+        top = max(sorted({g for g, _ in tops}), key=lambda g: sum(1 for x, _ in tops if x == g)) if tops else ""
         out[region] = {"region_lam": statistics.fmean(reg) if reg else math.nan,
                        "world_lam": statistics.fmean(wor) if wor else math.nan,
                        "world_declined": (sum(1 for x in wor if x == 0) / len(wor)) if wor else math.nan,
-                       "self_weight": statistics.fmean(selfw) if selfw else math.nan}
+                       "self_weight": statistics.fmean(selfw) if selfw else math.nan,
+                       "top_partner": top,
+                       "top_weight": statistics.fmean(statistics.fmean(w) for _, w in tops) if tops else math.nan}
     return out
 
 
@@ -276,14 +288,19 @@ def corpus_tables(corpus: str, budget: Budget, layout, results: dict[str, dict[i
     if took_rows and any(t for _, t in took_rows):
         lines += ["", "What worldlm's members took (mean over seeds): the interpolation weight chosen on their tune "
                   "slice for the region's model and for the world change, the share of world rounds declined "
-                  "(weight 0), and the residual attention's weight on the region itself:", "",
-                  "| region | from the region | from the world | world rounds declined | residual self-weight |",
-                  "|---|---:|---:|---:|---:|"]
+                  "(weight 0), the residual attention's weight on the region itself (world target `mean`) or "
+                  "the region the world attention leaned on most and its mean weight (`attention`):", "",
+                  "| region | from the region | from the world | world rounds declined | residual self-weight "
+                  "| nearest region (weight) |",
+                  "|---|---:|---:|---:|---:|---|"]
         for r in regions:
             def avg(k: str, r: str = r) -> str:
-                xs = [t[r][k] for _, t in took_rows if r in t and math.isfinite(t[r][k])]
+                xs = [t[r][k] for _, t in took_rows if r in t and math.isfinite(t[r].get(k, math.nan))]
                 return f"{statistics.fmean(xs):.3f}" if xs else "-"
-            lines.append(f"| {r} | {avg('region_lam')} | {avg('world_lam')} | {avg('world_declined')} | {avg('self_weight')} |")
+            tops = sorted({t[r]["top_partner"] for _, t in took_rows if r in t and t[r].get("top_partner")})
+            near = f"{'/'.join(tops)} ({avg('top_weight')})" if tops else "-"
+            lines.append(f"| {r} | {avg('region_lam')} | {avg('world_lam')} | {avg('world_declined')} | {avg('self_weight')} "
+                         f"| {near} |")
     if "worldlm" in summary:
         w = summary["worldlm"]["region_mean"]
         lines += ["", "| X | region mean X / worldlm |", "|---|---:|"]

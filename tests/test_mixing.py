@@ -138,3 +138,50 @@ def test_mix_weights_sum_to_one_and_do_not_depend_on_order():
 def test_mix_weights_rejects_the_reserved_name():
     with pytest.raises(ValueError, match="reserved"):
         mixing.mix_weights([torch.zeros(1)], {"own": [torch.ones(1)]}, lambda p: 0.0)
+
+
+def test_significant_hand_computed():
+    significant = mixing.significant
+
+    own = torch.tensor([2.0, 2.0, 2.0, 2.0], dtype=torch.float64)
+    # paired gains 0.1, 0.3, 0.1, 0.3: mean 0.2, sample std sqrt(4/3 * 0.01) = 0.11547, SE 0.057735
+    other = own - torch.tensor([0.1, 0.3, 0.1, 0.3], dtype=torch.float64)
+    assert significant(own, other, z=3.0)  # 0.2 > 3 * 0.0577 = 0.173
+    assert not significant(own, other, z=3.5)  # 0.2 < 0.202
+    # the same mean gain, noisier: gains -0.2, 0.6, -0.2, 0.6 -> SE 0.2309: not significant at z = 1
+    noisy = own - torch.tensor([-0.2, 0.6, -0.2, 0.6], dtype=torch.float64)
+    assert significant(own, noisy, z=0.8) and not significant(own, noisy, z=1.0)
+    # z = 0, scalars or one window: the mean alone; never a loss, nor a tie
+    assert significant(own, noisy, z=0.0) and significant(2.0, 1.9, z=5.0)
+    assert significant(own[:1], other[:1], z=5.0)
+    assert not significant(own, own, z=0.0) and not significant(own, own + 0.1, z=0.0)
+    with pytest.raises(ValueError):
+        significant(own, other, z=-1.0)
+    with pytest.raises(ValueError):
+        significant(own, other[:3], z=1.0)
+
+
+def test_line_search_with_per_window_losses_declines_a_gain_within_the_noise():
+    # the mean loss along the line: 1 - 0.1 lam (every point better), but per window the gain of a
+    # mix is +lam on even windows and -0.8 lam on odd ones: mean 0.1 lam, SE large
+    def windows(lam):
+        w = torch.ones(8, dtype=torch.float64)
+        w[0::2] -= lam
+        w[1::2] += 0.8 * lam
+        return w
+
+    plain = mixing.line_search(windows, grid=(0.25, 1.0))
+    assert plain.lam == 1.0 and plain.loss == pytest.approx(0.9)
+    gated = mixing.line_search(windows, grid=(0.25, 1.0), z=2.0)
+    assert gated.lam == 0.0 and gated.loss == pytest.approx(1.0) and gated.own_loss == pytest.approx(1.0)
+    # a consistent gain on every window passes the same test
+    steady = mixing.line_search(lambda lam: torch.full((8,), 1.0, dtype=torch.float64) - 0.1 * lam
+                         + 0.001 * lam * torch.arange(8, dtype=torch.float64), grid=(0.25, 1.0), z=2.0)
+    assert steady.lam == 1.0
+    # an own loss given as a mean is evaluated again when the test needs the windows
+    calls = []
+    mixing.line_search(lambda lam: calls.append(lam) or windows(lam), grid=(0.25,), own_loss=1.0, z=2.0)
+    assert calls[0] == 0.0
+    calls.clear()
+    mixing.line_search(lambda lam: calls.append(lam) or windows(lam), grid=(0.25,), own_loss=1.0, z=0.0)
+    assert 0.0 not in calls

@@ -149,3 +149,56 @@ def test_cross_region_update_hand_computed():
     assert all(torch.equal(a, b) for a, b in zip(same, key))
     # no other region: unchanged too
     assert all(torch.equal(a, b) for a, b in zip(cross_region_update(key, res, {}, weights, beta=0.5), key))
+
+
+def test_region_attention_hand_computed():
+    from worldlm_p2p.residual import region_attention
+
+    # e_eu = 0; na at squared distance 1, asia at 4: mean 5/2, scores -(1 / 2.5) / tau, -(4 / 2.5) / tau.
+    # tau = 1.2 / ln 2: scores -ln2 / 3, -4 ln2 / 3, i.e. weights 2^(-1/3) : 2^(-4/3) = 2 : 1 -> 2/3, 1/3
+    emb = {"eu": T([[0.0, 0.0], [0.0, 0.0]]), "na": T([[1.0, 0.0], [0.0, 0.0]]), "asia": T([[0.0, 2.0], [0.0, 0.0]])}
+    w = region_attention(emb, "eu", tau=1.2 / LN2)
+    assert set(w) == {"na", "asia"} and all(a.dtype == F64 and a.shape == (1,) for a in w.values())
+    assert float(w["na"][0]) == pytest.approx(2 / 3, abs=1e-12)
+    assert float(w["asia"][0]) == pytest.approx(1 / 3, abs=1e-12)
+    # the distance spans every layer: na's row 1 moved by 1 as well -> D = 2 and 4, mean 3
+    emb2 = dict(emb, na=T([[1.0, 0.0], [1.0, 0.0]]))
+    w2 = region_attention(emb2, "eu", tau=1.0)
+    assert float(w2["na"][0]) == pytest.approx(1 / (1 + math.exp(-2 / 3)), abs=1e-12)
+
+
+def test_region_attention_properties():
+    from worldlm_p2p.residual import region_attention
+
+    g = torch.Generator().manual_seed(4)
+    emb = {r: torch.randn(3, 8, generator=g) for r in ("a", "b", "c", "d")}
+    for r in emb:
+        w = region_attention(emb, r, tau=0.3)
+        assert r not in w and float(sum(a[0] for a in w.values())) == pytest.approx(1.0, abs=1e-12)
+        w2 = region_attention({k: emb[k] for k in reversed(list(emb))}, r, tau=0.3)
+        assert all(torch.equal(w[k], w2[k]) for k in w)
+    # the scale of the model does not matter (only distances relative to each other)
+    scaled = {k: 1000.0 * v for k, v in emb.items()}
+    w, ws = region_attention(emb, "a", tau=0.3), region_attention(scaled, "a", tau=0.3)
+    assert all(torch.allclose(w[k], ws[k], atol=1e-9) for k in w)
+    # the nearest region gets most; one other region gets everything; alone: nothing
+    near = dict(emb, b=emb["a"] + 1e-3)
+    assert max(region_attention(near, "a", tau=0.1).items(), key=lambda kv: float(kv[1][0]))[0] == "b"
+    assert float(region_attention({"a": emb["a"], "b": emb["b"]}, "a", tau=0.1)["b"][0]) == 1.0
+    assert region_attention({"a": emb["a"]}, "a", tau=0.1) == {}
+    # every other region at the same place as this one: uniform
+    same = {k: emb["a"].clone() for k in ("a", "b", "c")}
+    assert all(float(a[0]) == pytest.approx(0.5) for a in region_attention(same, "a", tau=0.1).values())
+    with pytest.raises(ValueError):
+        region_attention(emb, "z", tau=0.1)
+    with pytest.raises(ValueError):
+        region_attention(emb, "a", tau=0.0)
+    with pytest.raises(ValueError):
+        region_attention({"a": torch.zeros(2, 2), "b": torch.zeros(2, 3)}, "a", tau=1.0)
+
+
+def test_cross_region_update_one_weight_for_every_layer():
+    key = [T([1.0, 1.0]), T([0.0])]
+    res = [T([0.0, 0.0]), T([0.0])]
+    out = cross_region_update(key, res, {"na": [T([2.0, 0.0]), T([4.0])]}, {"na": T([0.5], dtype=F64)}, beta=1.0)
+    assert torch.allclose(out[0], T([2.0, 1.0])) and torch.allclose(out[1], T([2.0]))

@@ -409,3 +409,72 @@ def test_world_grid_and_the_largest_world_step() -> None:
         out, choice = member_world_mix(rule, own=own, change=change, loss_of=loss_of)
         assert choice.lam == expected
         assert torch.allclose(out[0], torch.full((3,), expected))
+
+
+def test_world_round_attention_two_regions_hand_computed():
+    # world_target = "attention": two regions, each other's only partner (weight 1), whole model:
+    # theta_eu <- theta_eu + beta (theta_na - theta_eu); beta 0.5 -> the midpoint, B and K alike
+    eu = [T([1.0, 2.0, 3.0]), T([[4.0, 0.0], [0.0, 0.0]]), T([1.0, 3.0]), torch.zeros(2, 3)]
+    na = [T([3.0, 2.0, 1.0]), T([[0.0, 2.0], [0.0, 0.0]]), T([3.0, 3.0]), torch.ones(2, 3)]
+    rule = RoundRule(strategy="worldlm", split=SPLIT, residual_dim=16, residual_beta=0.5, world_target="attention")
+    assert rule.world_attention
+    res = world_round(rule, {"eu": eu, "na": na}, {"eu": 30.0, "na": 10.0})
+    mid = [(a + b) / 2 for a, b in zip(eu, na)]
+    _close(res.models["eu"], mid)
+    _close(res.models["na"], mid)
+    assert res.weights == {"eu": {"na": [1.0]}, "na": {"eu": [1.0]}} and res.fetched == {"eu": ["na"], "na": ["eu"]}
+    # the world mean is still the token-weighted mean (the reference of border deltas)
+    _close(res.world, [(3 * a + b) / 4 for a, b in zip(eu, na)])
+    rule = RoundRule(strategy="worldlm", split=SPLIT, residual_dim=16, residual_beta=0.2, world_target="attention")
+    res = world_round(rule, {"eu": eu, "na": na}, {"eu": 30.0, "na": 10.0})
+    _close(res.models["eu"], [a + 0.2 * (b - a) for a, b in zip(eu, na)])
+    # without residuals the target is ignored: the world's mean backbone, as with "mean"
+    off = RoundRule(strategy="worldlm", split=SPLIT, residual=False, world_target="attention")
+    assert not off.world_attention
+    mean = world_round(RoundRule(strategy="worldlm", split=SPLIT, residual=False), {"eu": eu, "na": na},
+                       {"eu": 30.0, "na": 10.0})
+    out = world_round(off, {"eu": eu, "na": na}, {"eu": 30.0, "na": 10.0})
+    for r in ("eu", "na"):
+        _close(out.models[r], mean.models[r])
+
+
+def test_world_round_attention_matches_the_formula():
+    regions, tokens = _regions(seed=8)
+    names = sorted(regions)
+    rule = RoundRule(strategy="worldlm", split=SPLIT, residual_dim=8, residual_tau=0.7, residual_beta=0.6, seed=2,
+                     world_target="attention")
+    out = world_round(rule, regions, tokens)
+    # independent reference: theta_world = token-weighted mean of every tensor; sketches of
+    # theta_R - theta_world per tensor; a_RG = softmax_{G != R}(-D_RG / mean D / tau), D the squared
+    # distance of the flattened sketches; theta_R' = theta_R + beta sum_G a_RG (theta_G - theta_R)
+    total = sum(tokens.values())
+    world = [sum(tokens[r] / total * regions[r][j].double() for r in names) for j in range(len(SHAPES))]
+    res = {r: [regions[r][j].double() - world[j] for j in range(len(SHAPES))] for r in names}
+    emb = {r: residual.residual_embedding(res[r], dim=8, seed=2).double().flatten() for r in names}
+    for r in names:
+        others = [g for g in names if g != r]
+        d = T([float(((emb[r] - emb[g]) ** 2).sum()) for g in others], dtype=torch.float64)
+        a = torch.softmax(-d / d.mean() / 0.7, dim=0)
+        want = [regions[r][j].double() + 0.6 * sum(a[i] * (regions[g][j].double() - regions[r][j].double())
+                                                   for i, g in enumerate(others)) for j in range(len(SHAPES))]
+        _close(out.models[r], [w.float() for w in want], atol=1e-5)
+        assert out.weights[r] == {g: [pytest.approx(float(a[i]), abs=1e-6)] for i, g in enumerate(others)}
+    # order of the regions does not matter
+    again = world_round(rule, {r: regions[r] for r in reversed(names)}, tokens)
+    for r in names:
+        _close(again.models[r], out.models[r], atol=0)
+
+
+def test_world_round_attention_uses_what_was_sent():
+    # border DP: what others take of a region is what it sent (its clipped, noised backbone change)
+    rule_mean, ref, models = _rule_and_models()
+    from worldlm_p2p.rounds import border_release
+
+    rule = RoundRule(strategy="worldlm", split=rule_mean.split, residual_beta=1.0, world_target="attention")
+    tokens = {"eu": 3.0, "na": 1.0}
+    sent = {r: border_release(rule, models[r], ref, clip=0.1, noise_multiplier=0.5,
+                              generator=torch.Generator().manual_seed(i))[0] for i, r in enumerate(sorted(models))}
+    out = world_round(rule, models, tokens, sent=sent)
+    # beta 1, one partner: a region's next model is what the other sent
+    _close(out.models["eu"], sent["na"], atol=1e-6)
+    _close(out.models["na"], sent["eu"], atol=1e-6)

@@ -193,7 +193,7 @@ class _Rebuilt:
     """A peer rebuilt from scratch: the run's model init and the batch stream of ``(seed, region, label)``."""
 
     def __init__(self, config: SimConfig, sub: Path) -> None:
-        self.region, self.label = sub.parent.name, sub.name
+        self.region, self.label, self.config = sub.parent.name, sub.name, config
         self.model = build_model(config.model, vocab_size=ByteTokenizer().vocab_size, seed=config.train.seed)
         data = tokenize_splits(load_texts(sub), ByteTokenizer())
         agg = config.aggregation
@@ -205,8 +205,9 @@ class _Rebuilt:
                                     seed=peer_data_seed(config.train.seed, self.label))
         self.step = self.tokens = self.tokens_since_world = 0
 
-    def loss_of(self, params) -> float:
-        return self.trainer.tune_loss(params)
+    def loss_of(self, params):
+        rule = _rule(self.config, self.model)  # the significance test needs each window's loss
+        return self.trainer.tune_losses(params) if rule.windowed else self.trainer.tune_loss(params)
 
     def train(self, steps: int) -> int:
         tokens = 0
@@ -266,7 +267,8 @@ def test_worldlm_region_round_equals_the_pure_round(corpus, mix):
     assert max_abs_diff(got[("eu", LAYOUT["eu"][0])], got[("na", LAYOUT["na"][0])]) > 1e-4
 
 
-@pytest.mark.parametrize("strategy", ["worldlm", "worldlm-mix-none", "hierfavg", "worldlm-border-dp"])
+@pytest.mark.parametrize("strategy", ["worldlm", "worldlm-mix-none", "hierfavg", "worldlm-border-dp",
+                                      "worldlm-attn-z2", "worldlm-attn-border-dp"])
 def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, strategy):
     """The schedule: two region rounds (the second from the first's anchor, with the optimizer state
     carried over), then a world round among the regions' leaders that every member adopts: by its
@@ -276,7 +278,12 @@ def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, st
     dp = PrivacyConfig(border_clip=0.05, border_noise=0.5) if strategy.endswith("-border-dp") else PrivacyConfig()
     mix = "none" if strategy.endswith("-mix-none") else "evidence"
     strategy = strategy.removesuffix("-border-dp").removesuffix("-mix-none")
-    config = dataclasses.replace(sim_config(corpus, strategy, rounds=2, world_every=2, mix=mix), privacy=dp)
+    extra = dict(mix_z=2.0) if strategy.endswith("-z2") else {}
+    strategy = strategy.removesuffix("-z2")
+    if strategy.endswith("-attn"):  # world attention: each region moves towards the other regions' models
+        extra["world_target"] = "attention"
+    strategy = strategy.removesuffix("-attn")
+    config = dataclasses.replace(sim_config(corpus, strategy, rounds=2, world_every=2, mix=mix, **extra), privacy=dp)
     sim = Simulator(config)
     results = sim.run()
     got = _sim_models(sim)
@@ -329,6 +336,11 @@ def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, st
             assert max_abs_diff(got[(r, p.label)], want) < 1e-6, (strategy, r, p.label)
     if strategy == "hierfavg":  # the world round gives every region the same model
         assert max_abs_diff(got[("eu", "fi_mixed")], got[("na", "en_email")]) < 1e-6
+    elif rule.world_attention:  # two regions: each moves beta of the way to what the other sent
+        for r, g in (("eu", "na"), ("na", "eu")):
+            other = sent.get(g, anchors[g])
+            want = [a + rule.residual_beta * (o - a) for a, o in zip(anchors[r], other)]
+            assert max_abs_diff(result.models[r], want) < 1e-5
     else:  # worldlm: a common backbone, each region's own key layers
         # (the regions' agreed models; members hold personal mixes of them)
         eu, na = result.models["eu"], result.models["na"]

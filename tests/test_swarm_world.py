@@ -22,6 +22,10 @@ from swarm_utils import (REPO, Procs, ProgressReader, env, log_tail, max_abs_dif
 pytestmark = pytest.mark.network
 
 MANY = 100_000  # peers run until stopped
+# the failover test runs the world rounds other than the defaults (which the regions-of-one test
+# runs): world attention and the significance test of evidence mixing
+WORLD_VARIANT_ARGS = dict(world_target="attention", mix_z=2.0)
+WORLD_VARIANT = 'world_target = "attention"\nmix_z = 2.0'
 
 
 @pytest.fixture
@@ -46,7 +50,7 @@ def _monitor(maddrs, *args):
 
 def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
     _, maddrs = start_bootstrap(procs, tmp_path, run_id="world", inner_steps=5, averaging="leader_ttl = 10.0",
-                                aggregation="world_every = 1\nresidual_tau = 1.0")
+                                aggregation=f"world_every = 1\nresidual_tau = 1.0\n{WORLD_VARIANT}")
     # the monitor before any peer: a bounded wait, exit code 1, one line
     r = _monitor(maddrs, "--run-id", "world", "--once", "--json", "--wait", "2")
     assert r.returncode == 1, (r.stdout, r.stderr)
@@ -86,12 +90,18 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
                  f"every peer to see {eu_leader} and {na_leader} as the leaders")
         te, tn = world_traces(tmp_path, eu_leader, leader=True)[w], world_traces(tmp_path, na_leader, leader=True)[w]
         assert te["regions"] == tn["regions"] == ["eu", "na"]
-        rule = round_rule("worldlm", world_every=1, residual_tau=1.0)
+        rule = round_rule("worldlm", world_every=1, residual_tau=1.0, **WORLD_VARIANT_ARGS)
+        assert rule.world_attention and rule.windowed
         split = rule.split
-        # the shared backbone: both regions leave the world round with the same B ...
-        assert max_abs_diff(split.take_backbone(te["model"]), split.take_backbone(tn["model"])) < 1e-5
-        # ... and each keeps its own key layers
-        assert max_abs_diff(split.take_key(te["model"]), split.take_key(tn["model"])) > 1e-4
+        if not rule.world_attention:
+            # the shared backbone: both regions leave the world round with the same B ...
+            assert max_abs_diff(split.take_backbone(te["model"]), split.take_backbone(tn["model"])) < 1e-5
+            # ... and each keeps its own key layers
+            assert max_abs_diff(split.take_key(te["model"]), split.take_key(tn["model"])) > 1e-4
+        else:  # each region moves residual_beta of the way to what the other sent (its only partner)
+            for t, o in ((te, tn), (tn, te)):
+                want = [s + rule.residual_beta * (x - s) for s, x in zip(t["snapshot"], o["sent"])]
+                assert max_abs_diff(t["model"], want) < 1e-4
         # what each leader sent is its region's snapshot with the backbone change since the last world
         # model clipped to its own policy's C and noised with sigma*C (recomputed from the noise seed
         # its audit trace kept): the part that leaves, without the noise, has norm <= C
@@ -139,7 +149,8 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
         from worldlm_p2p.rounds import member_world_mix
 
         trainer = tune_trainer(tmp_path, dict(eu)[member].args, rule)
-        model, choice = member_world_mix(rule, own=t["before"], change=t["delta"], loss_of=trainer.tune_loss)
+        model, choice = member_world_mix(rule, own=t["before"], change=t["delta"],
+                                         loss_of=trainer.tune_losses if rule.windowed else trainer.tune_loss)
         assert choice is not None and 0.0 <= choice.lam <= 1.0 and choice.lam == pytest.approx(t["mix_lam"], abs=1e-5)
         assert max_abs_diff(t["after"], model) < 1e-5, (member, k, choice)
 
@@ -236,8 +247,9 @@ def test_regions_of_one_peer_take_part_in_world_rounds(procs, tmp_path):
         t = world_traces(tmp_path, lab, leader=False)[w]
         change = [m.float() - s for m, s in zip(lead[lab]["model"], lead[lab]["snapshot"])]
         assert max_abs_diff(t["delta"], change) < 1e-6, lab  # its own leadership's change
+        trainer = tune_trainer(tmp_path, proc.args, rule)
         model, choice = member_world_mix(rule, own=t["before"], change=t["delta"],
-                                         loss_of=tune_trainer(tmp_path, proc.args, rule).tune_loss)
+                                         loss_of=trainer.tune_losses if rule.windowed else trainer.tune_loss)
         assert choice.lam == pytest.approx(t["mix_lam"], abs=1e-5) and max_abs_diff(t["after"], model) < 1e-5, lab
     for p in peers.values():
         p.send_signal(signal.SIGTERM)

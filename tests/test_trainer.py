@@ -177,3 +177,22 @@ def test_non_finite_loss_skips_the_update(demo_tokens: TokenData) -> None:
 def test_bits_per_byte() -> None:
     assert bits_per_byte(math.log(2), bytes_per_token=1.0) == pytest.approx(1.0)
     assert bits_per_byte(math.log(2) * 3, bytes_per_token=1.5) == pytest.approx(2.0)
+
+
+def test_tune_losses_are_the_per_window_losses_of_the_tune_slice() -> None:
+    tune = torch.tensor([5, 7, 9, 11, 13, 257] * 20)  # 120 tokens -> 7 windows of 16
+    data = TokenData(train=torch.arange(100) % 259, valid=tune[:40], train_bytes=100, valid_bytes=40, tune=tune)
+    train = dataclasses.replace(TRAIN, seq_len=16, batch_size=3, eval_tokens=0)
+    trainer = _trainer(data, train=train)
+    with torch.no_grad():
+        want = []
+        for i in range(7):
+            window = tune[i * 16 : i * 16 + 17]
+            logp = torch.log_softmax(trainer.model(input_ids=window[None, :-1]).logits[0].double(), dim=-1)
+            want.append(float((-logp[torch.arange(16), window[1:]]).mean()))
+    got = trainer.tune_losses()
+    assert got.dtype == torch.float64 and got.shape == (7,)
+    assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-5)
+    assert float(got.mean()) == pytest.approx(trainer.tune_loss(), rel=1e-6)  # equal windows: the same mean
+    empty = TokenData(train=torch.arange(100) % 259, valid=tune[:40], train_bytes=100, valid_bytes=40)
+    assert _trainer(empty, train=train).tune_losses().numel() == 0

@@ -12,6 +12,7 @@ All dataclasses are frozen and keyword-only, and validate themselves in ``__post
 from __future__ import annotations
 
 import dataclasses
+import math
 import hashlib
 import json
 import re
@@ -26,6 +27,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 STRATEGIES = ("worldlm", "fedavg", "hierfavg", "fedper", "local")  # what a swarm runs
 SIM_STRATEGIES = (*STRATEGIES, "centralized")  # the simulator also has the pooled-data baseline
 MIX_RULES = ("evidence", "cosine", "none")  # what a worldlm member keeps after a round
+WORLD_TARGETS = ("mean", "attention")  # where a worldlm world round moves a region
 
 
 def check_name(kind: str, value: str) -> str:
@@ -152,6 +154,11 @@ class AggregationConfig:
     - ``world_every``: a world round after every M-th region round (``worldlm`` and ``hierfavg``).
     - ``residual`` / ``residual_dim`` / ``residual_tau`` / ``residual_beta``: cross-region sharing of
       K by residual embeddings (:mod:`worldlm_p2p.residual`).
+    - ``world_target``: where a ``worldlm`` world round moves a region. ``"mean"``: to the world's
+      token-weighted mean backbone, K by residual embeddings (the paper's); ``"attention"``: towards
+      the other regions whose residual sketches (of the whole model) are most like its own, backbone
+      and K alike, by ``residual_beta`` of the attention-weighted difference
+      (:func:`worldlm_p2p.residual.region_attention`; without ``residual``, the mean).
     - ``mix``: what a ``worldlm`` member keeps after a round. ``"evidence"`` (the default): its own
       model moved towards the region's agreed model, and by the world's change of it, only as far
       as that lowers its loss on a tune slice of its own training text (:mod:`worldlm_p2p.mixing`);
@@ -162,6 +169,9 @@ class AggregationConfig:
     - ``mix_world``: with ``mix = "evidence"``, a member also takes a world round's change only as far
       as its evidence supports (False: every member adds the whole change, as the region does);
       ``mix_world_max``: the largest fraction of a world change it tries in one round (0.25).
+      ``mix_z``: a member takes a mix only when its gain on the tune slice is significant: the mean
+      of the paired per-window gains above ``mix_z`` standard errors (0: any gain;
+      :func:`worldlm_p2p.mixing.significant`).
     - ``tune_fraction`` / ``tune_tokens``: the tune slice, held apart from each member's training
       text for ``mix = "evidence"``: this fraction of its training tokens, at most ``tune_tokens``.
     - ``tune_pieces``: the tune slice is taken in this many equal pieces spread evenly over the
@@ -183,9 +193,11 @@ class AggregationConfig:
     residual_dim: int = 256
     residual_tau: float = 0.1
     residual_beta: float = 0.5
+    world_target: str = "mean"
     mix: str = "evidence"
     mix_world: bool = True
     mix_world_max: float = 0.25
+    mix_z: float = 0.0
     tune_fraction: float = 0.05
     tune_tokens: int = 2048
     tune_pieces: int = 1
@@ -207,8 +219,11 @@ class AggregationConfig:
         _require(self.residual_dim >= 1, "aggregation.residual_dim", "must be >= 1")
         _require(self.residual_tau > 0, "aggregation.residual_tau", "must be > 0")
         _require(0 <= self.residual_beta <= 1, "aggregation.residual_beta", "must be in [0, 1]")
+        _require(self.world_target in WORLD_TARGETS, "aggregation.world_target",
+                 f"{self.world_target!r} is not one of {', '.join(WORLD_TARGETS)}")
         _require(self.mix in MIX_RULES, "aggregation.mix", f"{self.mix!r} is not one of {', '.join(MIX_RULES)}")
         _require(0 < self.mix_world_max <= 1, "aggregation.mix_world_max", "must be in (0, 1], e.g. 0.25")
+        _require(math.isfinite(self.mix_z) and self.mix_z >= 0, "aggregation.mix_z", "must be >= 0, e.g. 2")
         _require(0 < self.tune_fraction < 1, "aggregation.tune_fraction", "must be in (0, 1), e.g. 0.05")
         _require(self.tune_tokens >= 1, "aggregation.tune_tokens", "must be a positive integer")
         _require(self.tune_pieces >= 1, "aggregation.tune_pieces", "must be a positive integer")

@@ -11,7 +11,11 @@ chosen by a line search on its *tune slice*, text it never trains on and is neve
 2. where the best point lies between two others, the vertex of the parabola through the three is
    tried as well (one more evaluation);
 3. the lowest loss wins; ``lam = 0`` (the member's own model, bit for bit) unless a mix is strictly
-   better by more than ``margin`` nats.
+   better by more than ``margin`` nats and, with ``z > 0`` and per-window losses, its gain is
+   significant: the mean of the paired per-window gains exceeds ``z`` standard errors
+   (:func:`significant`). A slice of a few thousand tokens measures a gain of a few thousandths of a
+   nat no better than noise; taken on such a gain, a change towards other languages can cost a
+   member far more on text it has not seen (measured: the han region of the scripts corpus).
 
 So a member with no useful partner gets its own model back and trains on as it would alone (on its
 training text less the tune slice); one whose partners' models help takes as much of them as its
@@ -35,6 +39,37 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 DEFAULT_GRID = (1 / 16, 1 / 4, 1.0)
+
+#: what a loss function returns: the slice's mean loss, or its per-window losses (a 1-D tensor,
+#: whose mean is the loss; a window is one evaluation sequence of the slice)
+Loss = float | torch.Tensor
+
+
+def mean_loss(value: Loss) -> float:
+    """The mean of a :data:`Loss` (NaN for an empty tensor)."""
+    if isinstance(value, torch.Tensor):
+        return float(value.double().mean()) if value.numel() else math.nan
+    return float(value)
+
+
+def significant(own: Loss, other: Loss, *, z: float) -> bool:
+    """True when ``other`` is better than ``own`` (lower mean loss) and, when both are per-window
+    losses of the same windows and ``z > 0``, the mean paired gain ``own_i - other_i`` exceeds ``z``
+    times its standard error (the sample standard deviation over the ``n`` windows over
+    ``sqrt(n)``). With scalar losses, or a single window, only the mean decides."""
+    if z < 0:
+        raise ValueError(f"z must be >= 0, got {z}")
+    gain = mean_loss(own) - mean_loss(other)
+    if not gain > 0:
+        return False
+    if z == 0 or not (isinstance(own, torch.Tensor) and isinstance(other, torch.Tensor)):
+        return True
+    if own.shape != other.shape:
+        raise ValueError(f"per-window losses of different shapes: {tuple(own.shape)} against {tuple(other.shape)}")
+    d = own.double().flatten() - other.double().flatten()
+    if d.numel() < 2:
+        return True
+    return gain > z * float(d.std(unbiased=True)) / math.sqrt(d.numel())
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,24 +112,36 @@ def _vertex(x: Sequence[float], y: Sequence[float]) -> float | None:
     return min(max(-b / (2 * a), x0), x2)
 
 
-def line_search(loss_at: Callable[[float], float], *, grid: Sequence[float] = DEFAULT_GRID,
-                margin: float = 0.0, own_loss: float | None = None) -> MixChoice:
+def line_search(loss_at: Callable[[float], Loss], *, grid: Sequence[float] = DEFAULT_GRID,
+                margin: float = 0.0, own_loss: Loss | None = None, z: float = 0.0) -> MixChoice:
     """Choose ``lam`` in ``[0, 1]`` minimising ``loss_at(lam)`` (see the module docstring).
 
     ``loss_at(0.0)`` must be the member's own model; ``own_loss``, when given, is its value already
-    known (it is not evaluated again). A non-finite loss counts as infinitely bad, so a candidate
-    that makes the model diverge is never taken."""
+    known (it is not evaluated again, unless the significance test needs per-window losses and it
+    is a mean). ``loss_at`` may return means or per-window losses (:data:`Loss`); the search
+    compares means, and ``z > 0`` adds the significance test of the winner against the own model
+    (:func:`significant`). A non-finite loss counts as infinitely bad, so a candidate that makes the
+    model diverge is never taken."""
     grid_pts = check_grid(grid)
     if margin < 0:
         raise ValueError(f"margin must be >= 0, got {margin}")
+    if z < 0:
+        raise ValueError(f"z must be >= 0, got {z}")
+    raw: dict[float, Loss] = {}
 
     def f(lam: float) -> float:
-        value = float(loss_at(lam))
-        return value if math.isfinite(value) else math.inf
+        value = loss_at(lam)
+        raw[lam] = value
+        m = mean_loss(value)
+        return m if math.isfinite(m) else math.inf
 
+    known = own_loss is not None and math.isfinite(mean_loss(own_loss)) and not (
+        z > 0 and not isinstance(own_loss, torch.Tensor))
+    if known:
+        raw[0.0] = own_loss
     pts = [0.0]
-    ys = [float(own_loss) if own_loss is not None and math.isfinite(own_loss) else f(0.0)]
-    evaluated = [] if own_loss is not None and math.isfinite(own_loss) else [(0.0, ys[0])]
+    ys = [mean_loss(own_loss) if known else f(0.0)]
+    evaluated = [] if known else [(0.0, ys[0])]
     for x in grid_pts:
         pts.append(x)
         ys.append(f(x))
@@ -113,7 +160,7 @@ def line_search(loss_at: Callable[[float], float], *, grid: Sequence[float] = DE
                 best, best_y = v, yv
     if not math.isfinite(own):  # the own model is broken: anything finite is better
         pass
-    elif best > 0 and not best_y < own - margin:
+    elif best > 0 and not (best_y < own - margin and significant(raw[0.0], raw[best], z=z)):
         best, best_y = 0.0, own
     return MixChoice(lam=best, loss=best_y, own_loss=own, evaluated=tuple(evaluated))
 
@@ -149,26 +196,29 @@ def shift(own: Sequence[torch.Tensor], change: Sequence[torch.Tensor], lam: floa
 
 
 def mix_toward(own: Sequence[torch.Tensor], target: Sequence[torch.Tensor],
-               loss_of: Callable[[list[torch.Tensor]], float], *, grid: Sequence[float] = DEFAULT_GRID,
-               margin: float = 0.0, own_loss: float | None = None) -> tuple[list[torch.Tensor], MixChoice]:
+               loss_of: Callable[[list[torch.Tensor]], Loss], *, grid: Sequence[float] = DEFAULT_GRID,
+               margin: float = 0.0, own_loss: Loss | None = None, z: float = 0.0
+               ) -> tuple[list[torch.Tensor], MixChoice]:
     """The member's next model ``own + lam * (target - own)`` with ``lam`` from :func:`line_search`
     of ``loss_of`` (the slice loss of a parameter list), and the choice."""
     choice = line_search(lambda lam: loss_of(interpolate(own, target, lam)), grid=grid, margin=margin,
-                         own_loss=own_loss)
+                         own_loss=own_loss, z=z)
     return interpolate(own, target, choice.lam), choice
 
 
 def mix_change(own: Sequence[torch.Tensor], change: Sequence[torch.Tensor],
-               loss_of: Callable[[list[torch.Tensor]], float], *, grid: Sequence[float] = DEFAULT_GRID,
-               margin: float = 0.0, own_loss: float | None = None) -> tuple[list[torch.Tensor], MixChoice]:
+               loss_of: Callable[[list[torch.Tensor]], Loss], *, grid: Sequence[float] = DEFAULT_GRID,
+               margin: float = 0.0, own_loss: Loss | None = None, z: float = 0.0
+               ) -> tuple[list[torch.Tensor], MixChoice]:
     """The member's next model ``own + lam * change`` with ``lam`` from :func:`line_search`."""
-    choice = line_search(lambda lam: loss_of(shift(own, change, lam)), grid=grid, margin=margin, own_loss=own_loss)
+    choice = line_search(lambda lam: loss_of(shift(own, change, lam)), grid=grid, margin=margin, own_loss=own_loss,
+                         z=z)
     return shift(own, change, choice.lam), choice
 
 
 def mix_weights(own: Sequence[torch.Tensor], candidates: Mapping[str, Sequence[torch.Tensor]],
-                loss_of: Callable[[list[torch.Tensor]], float], *, grid: Sequence[float] = DEFAULT_GRID,
-                margin: float = 0.0) -> tuple[list[torch.Tensor], dict[str, float]]:
+                loss_of: Callable[[list[torch.Tensor]], Loss], *, grid: Sequence[float] = DEFAULT_GRID,
+                margin: float = 0.0, z: float = 0.0) -> tuple[list[torch.Tensor], dict[str, float]]:
     """Weights over ``{"own"} + candidates`` (non-negative, summing to one) and the mixed model.
 
     Candidates are visited best first (by their own slice loss, then by name, so the result does not
@@ -179,11 +229,12 @@ def mix_weights(own: Sequence[torch.Tensor], candidates: Mapping[str, Sequence[t
     model it settles on."""
     if "own" in candidates:
         raise ValueError("'own' is reserved for the member's own model")
-    order = sorted(candidates, key=lambda name: (_finite_or_inf(loss_of([t.detach() for t in candidates[name]])), name))
+    order = sorted(candidates, key=lambda name: (_finite_or_inf(mean_loss(loss_of([t.detach() for t in candidates[name]]))),
+                                                 name))
     weights = {"own": 1.0, **{name: 0.0 for name in sorted(candidates)}}
     current = [t.detach().clone() for t in own]
     for name in order:
-        current, choice = mix_toward(current, candidates[name], loss_of, grid=grid, margin=margin)
+        current, choice = mix_toward(current, candidates[name], loss_of, grid=grid, margin=margin, z=z)
         if choice.lam > 0:
             for k in weights:
                 weights[k] *= 1.0 - choice.lam

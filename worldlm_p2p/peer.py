@@ -597,7 +597,7 @@ class Peer:
         # a whole round to see the leader's record and download the change (the barrier keeps the
         # members' round indices in step)
         with self._world_lock:
-            ref = ([out.model[i].to(torch.float32).clone() for i in rounds.border_shared(self.rule)]
+            ref = ([out.world[i].to(torch.float32).clone() for i in rounds.border_shared(self.rule)]
                    if self._border is not None else None)
             self._world_delta = (out.world_round, delta, self.stats.round + 1, self.peer_id, ref)
         self.stats.world_rounds_led += 1
@@ -654,7 +654,7 @@ class Peer:
         leaves the parameters tried in the model; the caller sets the one it settles on."""
         if not self.rule.evidence or self.data.tune.numel() < 2:
             return None
-        return lambda params: self.trainer.tune_loss(params)
+        return self.trainer.tune_losses if self.rule.windowed else self.trainer.tune_loss
 
     def _recent_mix(self, kind: str, last: int = 8) -> float:
         """The mean weight of this peer's last ``last`` mixing choices of ``kind`` (-1: none yet)."""

@@ -15,6 +15,16 @@ Including ``R`` in the softmax is our change to the design doc: with a softmax o
 regions only, a region with a single other region would always move towards it, however different.
 With ``R`` included, a dissimilar region gets little weight and ``R`` keeps its own layers; a twin
 region gets up to half of the weight.
+
+*World attention* (:func:`region_attention`, ``aggregation.world_target = "attention"``): the same
+sketches taken of the whole model's residual ``r_R = theta_R - theta_world`` (backbone and key
+layers) weight the *backbone* exchange too. One weight per other region, a softmax over the other
+regions of their sketch distance to ``R`` relative to the mean one (the count sketch preserves
+inner products, so the whole sketch's distance estimates the models' distance), and
+``theta_R <- theta_R + beta * sum_{G != R} a_RG (r_G - r_R)``: each region moves towards the regions
+that learned most like it instead of towards the mean of all. ``R`` is left out of the softmax:
+*how far* it moves is the members' evidence (:mod:`worldlm_p2p.mixing`), the attention only says
+*where to*.
 """
 
 from __future__ import annotations
@@ -76,16 +86,47 @@ def cross_region_weights(embeddings: Mapping[str, torch.Tensor], region: str, *,
     return {g: a[gi] for gi, g in enumerate(names)}
 
 
+def region_attention(embeddings: Mapping[str, torch.Tensor], region: str, *,
+                     tau: float) -> dict[str, torch.Tensor]:
+    """``{G: a_RG}`` for the regions ``G != region`` in ``embeddings`` (each a one-element float64
+    tensor: one weight for every layer), summing to one: the softmax over ``G`` of
+    ``-(D_RG / mean_G' D_RG') / tau`` with ``D_RG = ||e_R - e_G||^2``, the squared distance of the
+    whole sketches (which estimates ``||theta_R - theta_G||^2``: the world mean cancels). Distances,
+    not cosines: residuals from a common mean point away from each other by construction (with two
+    regions their cosine is -1), while the distance between them is what they learned apart. The
+    scale of the distances drops out, so ``tau`` alone sets how sharply the nearest region is
+    preferred. Empty when ``region`` is alone."""
+    if region not in embeddings:
+        raise ValueError(f"region {region!r} has no embedding")
+    if not tau > 0:
+        raise ValueError(f"tau must be > 0, got {tau}")
+    own = embeddings[region].to(torch.float64).flatten()
+    others = sorted(g for g in embeddings if g != region)  # order-independent
+    if not others:
+        return {}
+    for g in others:
+        if embeddings[g].shape != embeddings[region].shape:
+            raise ValueError(f"region {g!r} embedding has shape {tuple(embeddings[g].shape)}, "
+                             f"expected {tuple(embeddings[region].shape)}")
+    d = torch.stack([torch.sum((own - embeddings[g].to(torch.float64).flatten()) ** 2) for g in others])
+    scale = float(d.mean())
+    scores = -d / (scale * tau) if scale > _TINY else torch.zeros_like(d)
+    a = torch.softmax(scores, dim=0)
+    return {g: a[i:i + 1] for i, g in enumerate(others)}
+
+
 def cross_region_update(key: Sequence[torch.Tensor], residual: Sequence[torch.Tensor],
                         others: Mapping[str, Sequence[torch.Tensor]], weights: Mapping[str, torch.Tensor], *,
                         beta: float) -> list[torch.Tensor]:
     """``K_R,l + beta * sum_G a_RG,l (r_G,l - r_R,l)`` over the regions ``G`` in ``others`` (their
-    full residuals, fetched where the weight matters)."""
+    full residuals, fetched where the weight matters). A one-element weight applies to every layer
+    (:func:`region_attention`)."""
     out = []
     for l, (k, r) in enumerate(zip(key, residual)):
         k64, r64 = k.detach().to(torch.float64), r.detach().to(torch.float64)
         step = torch.zeros_like(k64)
         for g, res in others.items():
-            step += float(weights[g][l]) * (res[l].detach().to(torch.float64) - r64)
+            a = weights[g]
+            step += float(a[l] if len(a) > 1 else a[0]) * (res[l].detach().to(torch.float64) - r64)
         out.append((k64 + beta * step).to(k.dtype))
     return out

@@ -57,8 +57,9 @@ def world_grid(max_step: float) -> tuple[float, ...]:
         raise ValueError(f"the largest world step must lie in (0, 1], got {max_step}")
     return tuple(sorted({x for x in EVIDENCE_GRID if x <= max_step} | {float(max_step)}))
 
-#: a member's tune-slice loss of a parameter list (nats per token)
-LossOf = Callable[[list[torch.Tensor]], float]
+#: a member's tune-slice loss of a parameter list (nats per token; per window with ``mix_z > 0``,
+#: :data:`worldlm_p2p.mixing.Loss`)
+LossOf = Callable[[list[torch.Tensor]], "mixing.Loss"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,8 +81,10 @@ class RoundRule:
     mix: str = "none"  # worldlm: what a member keeps: "evidence" (mixing), "cosine" (personal mix), "none"
     mix_world: bool = True  # evidence: a member takes a world change only as far as its evidence supports
     mix_world_max: float = 0.25  # evidence: the largest fraction of a world change tried per round
+    mix_z: float = 0.0  # evidence: a mix is taken only when its paired per-window gain exceeds z standard errors
     personal_tau: float = 0.0  # the temperature of mix = "cosine" (attention.personalize)
     personal_scope: str = "all"  # what the cosine mix covers: "key" (K) or "all" (B and K)
+    world_target: str = "mean"  # worldlm: where a world round moves a region: "mean" or "attention"
     seed: int = 0
 
     @classmethod
@@ -90,7 +93,8 @@ class RoundRule:
                    outer=agg.outer, outer_lr=agg.outer_lr, outer_momentum=agg.outer_momentum,
                    residual=agg.residual, residual_dim=agg.residual_dim, residual_tau=agg.residual_tau,
                    residual_beta=agg.residual_beta, mix=agg.mix, mix_world=agg.mix_world,
-                   mix_world_max=agg.mix_world_max, personal_tau=agg.personal_tau, personal_scope=agg.personal_scope, seed=seed)
+                   mix_world_max=agg.mix_world_max, personal_tau=agg.personal_tau, personal_scope=agg.personal_scope,
+                   world_target=agg.world_target, mix_z=agg.mix_z, seed=seed)
 
     @property
     def localises(self) -> bool:
@@ -103,6 +107,12 @@ class RoundRule:
         return self.strategy == "worldlm" and self.mix == "evidence"
 
     @property
+    def windowed(self) -> bool:
+        """True when the evidence is per-window losses (``mix_z > 0``: the significance test);
+        a member's loss function is then the trainer's ``tune_losses``, otherwise ``tune_loss``."""
+        return self.evidence and self.mix_z > 0
+
+    @property
     def world_group(self) -> bool:
         """True when region rounds span every peer of the run (one world group)."""
         return self.strategy in ("fedavg", "fedper")
@@ -110,6 +120,18 @@ class RoundRule:
     @property
     def has_world_rounds(self) -> bool:
         return self.strategy in ("worldlm", "hierfavg")
+
+    @property
+    def world_attention(self) -> bool:
+        """True when a world round moves each region towards the regions whose residual sketches are
+        most like its own (:func:`worldlm_p2p.residual.region_attention`), over the whole model,
+        instead of adopting the world's mean backbone and exchanging only K's residuals."""
+        return self.strategy == "worldlm" and self.residual and self.world_target == "attention"
+
+    def residual_part(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors whose residual a world round exchanges: K, or the whole model with
+        :attr:`world_attention`."""
+        return list(tensors) if self.world_attention else self.split.take_key(tensors)
 
     def backbone(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return self.split.take_backbone(tensors) if self.localises else list(tensors)
@@ -182,7 +204,7 @@ def member_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], agreed: Sequence
         raise ValueError(f"member_mix is the evidence rule; this rule mixes by {rule.mix!r}")
     if loss_of is None:
         return [t.detach().clone() for t in own], None
-    return mixing.mix_toward(own, agreed, loss_of, grid=EVIDENCE_GRID, own_loss=own_loss)
+    return mixing.mix_toward(own, agreed, loss_of, grid=EVIDENCE_GRID, own_loss=own_loss, z=rule.mix_z)
 
 
 def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Sequence[torch.Tensor],
@@ -197,7 +219,8 @@ def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Se
     if rule.evidence and rule.mix_world:
         if loss_of is None:
             return [t.detach().clone() for t in own], None
-        return mixing.mix_change(own, change, loss_of, grid=world_grid(rule.mix_world_max), own_loss=own_loss)
+        return mixing.mix_change(own, change, loss_of, grid=world_grid(rule.mix_world_max), own_loss=own_loss,
+                                 z=rule.mix_z)
     return [t + d.to(t.dtype) for t, d in zip(own, change)], None
 
 
@@ -313,20 +336,29 @@ def border_release(rule: RoundRule, region_params: Sequence[torch.Tensor], refer
 
 def world_backbone(rule: RoundRule, averaged: Sequence[torch.Tensor], region_params: Sequence[torch.Tensor]
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``(model with the world's B and, for hierfavg, the world's K; K_world)`` from the leaders'
-    averaged payload. For ``worldlm`` the region keeps its own K until :func:`residual_update`."""
+    """``(model with the world's B and, for hierfavg, the world's K; the residuals' reference)``
+    from the leaders' averaged payload: ``K_world`` for ``worldlm``, whose region keeps its own K
+    until :func:`residual_update`. With :attr:`RoundRule.world_attention` the region keeps its whole
+    model and the reference is the whole world mean (the update moves B as well)."""
     averaged = [a.to(p.dtype) for a, p in zip(averaged, region_params)]
     if rule.strategy == "hierfavg":
         return list(averaged), []
+    if rule.world_attention:
+        return [p.detach().clone() for p in region_params], list(averaged)
     k_world = rule.split.take_key(averaged)
     merged = rule.split.merge(rule.split.take_backbone(averaged),
                               [p.detach().clone() for p in rule.split.take_key(region_params)])
     return merged, k_world
 
 
-def region_residual(rule: RoundRule, region_params: Sequence[torch.Tensor], k_world: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``r_R = K_R - K_world``."""
-    return [k.detach() - w.to(k.dtype) for k, w in zip(rule.split.take_key(region_params), k_world)]
+def region_residual(rule: RoundRule, region_params: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]
+                    ) -> list[torch.Tensor]:
+    """``r_R = K_R - K_world`` (with :attr:`RoundRule.world_attention`: ``theta_R - theta_world``,
+    the whole model); ``reference`` is the second element of :func:`world_backbone`."""
+    part = rule.residual_part(region_params)
+    if len(part) != len(reference):
+        raise ValueError(f"residual: {len(part)} tensors against a reference of {len(reference)}")
+    return [k.detach() - w.to(k.dtype) for k, w in zip(part, reference)]
 
 
 def embed(rule: RoundRule, res: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -336,8 +368,10 @@ def embed(rule: RoundRule, res: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def residual_fetch_list(rule: RoundRule, embeddings: Mapping[str, torch.Tensor], region: str
                         ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Cross-region weights of ``region`` and the other regions whose full residual it needs."""
-    weights = residual.cross_region_weights(embeddings, region, tau=rule.residual_tau)
+    """Cross-region weights of ``region`` and the other regions whose full residual it needs (with
+    :attr:`RoundRule.world_attention`: one weight per other region, :func:`residual.region_attention`)."""
+    weigh = residual.region_attention if rule.world_attention else residual.cross_region_weights
+    weights = weigh(embeddings, region, tau=rule.residual_tau)
     need = sorted(g for g, a in weights.items() if g != region and float(a.max()) >= FETCH_MIN_WEIGHT)
     return weights, need
 
@@ -345,15 +379,19 @@ def residual_fetch_list(rule: RoundRule, embeddings: Mapping[str, torch.Tensor],
 def residual_update(rule: RoundRule, region_params: Sequence[torch.Tensor], res: Sequence[torch.Tensor],
                     fetched: Mapping[str, Sequence[torch.Tensor]], weights: Mapping[str, torch.Tensor]
                     ) -> list[torch.Tensor]:
-    """The region's model with ``K_R <- K_R + beta * sum_G a_RG (r_G - r_R)`` over the fetched ``G``."""
-    new_k = residual.cross_region_update(rule.split.take_key(region_params), res, fetched, weights,
-                                         beta=rule.residual_beta)
-    return rule.split.merge(rule.split.take_backbone(region_params), new_k)
+    """The region's model with ``K_R <- K_R + beta * sum_G a_RG (r_G - r_R)`` over the fetched ``G``
+    (with :attr:`RoundRule.world_attention`: the whole model, ``theta_R <- theta_R + ...``)."""
+    new = residual.cross_region_update(rule.residual_part(region_params), res, fetched, weights,
+                                       beta=rule.residual_beta)
+    if rule.world_attention:
+        return new
+    return rule.split.merge(rule.split.take_backbone(region_params), new)
 
 
 @dataclass(frozen=True, slots=True)
 class WorldRoundResult:
     models: dict[str, list[torch.Tensor]]  # region -> its next model
+    world: list[torch.Tensor]  # the leaders' token-weighted mean (the reference of border deltas)
     weights: dict[str, dict[str, list[float]]]  # region -> {G: per-layer attention}, worldlm only
     fetched: dict[str, list[str]]  # region -> the regions whose residual it fetched
 
@@ -363,7 +401,8 @@ def world_round(rule: RoundRule, regions: Mapping[str, Sequence[torch.Tensor]],
                 ) -> WorldRoundResult:
     """The central reference of a world round among the leaders of ``regions``. ``sent``: what a
     region's leader put into the leaders' all-reduce when it differs from its model (border DP,
-    :func:`border_release`); each region keeps its own key layers and residual either way."""
+    :func:`border_release`); each region keeps its own key layers and residual either way, and what
+    other regions fetch of it (its served residual and sketch) is computed from what it sent."""
     names = sorted(regions)
     sent = sent or {}
     averaged = weighted_mean([world_payload(rule, sent.get(r, regions[r])) for r in names],
@@ -372,12 +411,13 @@ def world_round(rule: RoundRule, regions: Mapping[str, Sequence[torch.Tensor]],
     for r in names:
         models[r], ks[r] = world_backbone(rule, averaged, regions[r])
     if rule.strategy != "worldlm" or not rule.residual or len(names) < 2:
-        return WorldRoundResult(models=models, weights={}, fetched={})
+        return WorldRoundResult(models=models, world=averaged, weights={}, fetched={})
     res = {r: region_residual(rule, regions[r], ks[r]) for r in names}
-    emb = {r: embed(rule, res[r]) for r in names}
+    served = {r: region_residual(rule, sent.get(r, regions[r]), ks[r]) for r in names}
+    emb = {r: embed(rule, served[r]) for r in names}
     for r in names:
         w, need = residual_fetch_list(rule, emb, r)
-        models[r] = residual_update(rule, models[r], res[r], {g: res[g] for g in need}, w)
+        models[r] = residual_update(rule, models[r], res[r], {g: served[g] for g in need}, w)
         weights_out[r] = {g: [round(float(x), 6) for x in a] for g, a in w.items()}
         fetched_out[r] = need
-    return WorldRoundResult(models=models, weights=weights_out, fetched=fetched_out)
+    return WorldRoundResult(models=models, world=averaged, weights=weights_out, fetched=fetched_out)

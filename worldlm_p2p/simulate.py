@@ -178,7 +178,7 @@ class Simulator:
         It leaves the last parameters tried in ``p.model``: the caller sets the model it settles on."""
         if not self.rule.evidence or p.data.tune.numel() < 2:
             return None
-        return lambda params: p.trainer.tune_loss(params)
+        return p.trainer.tune_losses if self.rule.windowed else p.trainer.tune_loss
 
     # ------------------------------------------------------------------ groups and leaders
     def _groups(self) -> dict[str, list[VirtualPeer]]:
@@ -261,7 +261,7 @@ class Simulator:
                 self.border[r].record(pv.border_noise)
                 released[r] = dict(norm=rec.norm, clipped_norm=rec.clipped_norm, noise_std=rec.noise_std)
         result = world_round(rule, {r: anchors[r] for r in self.regions}, tokens, sent=sent)
-        self.world_reference = [t.clone() for t in result.models[self.regions[0]]]
+        self.world_reference = [t.clone() for t in result.world]
         model_bytes = _nbytes(anchors[self.regions[0]])
         key_bytes = _nbytes(rule.split.take_key(anchors[self.regions[0]])) if rule.split.key else 0
         for r in self.regions:
@@ -269,8 +269,12 @@ class Simulator:
             members = [p for p in self.peers if p.region == r]
             leader.bytes_sent_border += allreduce_traffic(model_bytes, len(self.regions))[0]
             if rule.strategy == "worldlm" and rule.residual and len(self.regions) > 1:
-                leader.bytes_sent_border += len(rule.split.key) * rule.residual_dim * 4  # the published embedding
-                leader.bytes_sent_border += key_bytes * sum(r in need for need in result.fetched.values())
+                # the published embedding, and the residual every region that fetched it downloaded
+                # (world attention: of the whole model)
+                n_res = len(rule.residual_part(anchors[r]))
+                res_bytes = model_bytes if rule.world_attention else key_bytes
+                leader.bytes_sent_border += n_res * rule.residual_dim * 4
+                leader.bytes_sent_border += res_bytes * sum(r in need for need in result.fetched.values())
             leader.bytes_sent_region += model_bytes * (len(members) - 1)  # members download the new model
             # members rebase onto the world result: they add its change of the region model to their
             # own (with personal key layers a member's model is not the region's anchor)

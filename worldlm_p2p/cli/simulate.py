@@ -46,6 +46,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--no-residual", action="store_true", help="no residual-embedding exchange in world rounds")
     p.add_argument("--residual-beta", type=float, help="step towards similar regions' key layers (default 0.5)")
     p.add_argument("--residual-tau", type=float, help="temperature of the cross-region attention (default 0.1)")
+    p.add_argument("--world-target", help="where a worldlm world round moves a region: mean (the world's mean "
+                                          "backbone) or attention (towards the regions whose residual sketches "
+                                          "are most like its own, whole model) (default mean)")
     p.add_argument("--mix", help="what a worldlm member keeps after a round: evidence (its own model moved towards "
                                  "the region's and the world's only as far as its tune-slice loss supports), cosine "
                                  "(the personal mix by update cosine) or none (adopt the agreed model) (default evidence)")
@@ -56,6 +59,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--tune-tokens", type=int, help="at most this many tokens in a tune slice (default 2048)")
     p.add_argument("--mix-world-max", type=float, help="largest fraction of a world change a member tries per "
                                                        "round with --mix evidence (default 0.25)")
+    p.add_argument("--mix-z", type=float, help="with --mix evidence: take a mix only when its tune-slice gain "
+                                               "exceeds this many standard errors of the per-window gains "
+                                               "(default 0: any gain)")
     p.add_argument("--tune-pieces", type=int, help="take the tune slice in this many pieces spread over the "
                                                    "training text (default 1: its tail)")
     p.add_argument("--personal-tau", type=float, help="temperature of --mix cosine (default 0.1)")
@@ -91,10 +97,11 @@ def _overrides(args) -> dict[str, dict]:
                                ("tau", "aggregation", "tau"), ("eps", "aggregation", "eps"),
                                ("residual_beta", "aggregation", "residual_beta"),
                                ("residual_tau", "aggregation", "residual_tau"), ("outer", "aggregation", "outer"),
+                               ("world_target", "aggregation", "world_target"),
                                ("mix", "aggregation", "mix"), ("tune_fraction", "aggregation", "tune_fraction"),
                                ("tune_tokens", "aggregation", "tune_tokens"),
                                ("tune_pieces", "aggregation", "tune_pieces"),
-                               ("mix_world_max", "aggregation", "mix_world_max"),
+                               ("mix_world_max", "aggregation", "mix_world_max"), ("mix_z", "aggregation", "mix_z"),
                                ("personal_tau", "aggregation", "personal_tau"),
                                ("personal_scope", "aggregation", "personal_scope"),
                                ("outer_lr", "aggregation", "outer_lr"),

@@ -46,6 +46,7 @@ class WorldOutcome:
     ok: bool
     world_round: int
     model: list[torch.Tensor] | None = None  # the region's next agreed model
+    world: list[torch.Tensor] | None = None  # the leaders' mean (the reference of border deltas)
     regions: tuple[str, ...] = ()  # regions whose leaders took part
     fetched: tuple[str, ...] = ()  # regions whose full residual was downloaded
     weights: dict = field(default_factory=dict)  # region -> per-layer cross-region attention
@@ -112,20 +113,23 @@ class WorldExchange:
         if len({pid for pid, _ in members.values()}) != len(result.gathered):
             logger.warning("world round: two leaders of one region took part (a leadership change in flight)")
         w = max([world_round] + [wr for _, wr in members.values()])  # leaders agree on the latest index
-        sent, received = allreduce_traffic(self._payload_bytes, result.group_size)
+        n_sent, received = allreduce_traffic(self._payload_bytes, result.group_size)
         model, k_world = rounds.world_backbone(rule, result.averaged, region_model)
-        outcome = dict(world_round=w, regions=tuple(sorted(members)), bytes_sent=sent, bytes_received=received)
+        outcome = dict(world_round=w, regions=tuple(sorted(members)), bytes_sent=n_sent, bytes_received=received,
+                       world=[t.to(torch.float32) for t in result.averaged])
         if rule.strategy != "worldlm" or not rule.residual or len(members) < 2:
             return WorldOutcome(ok=True, model=model, seconds=time.monotonic() - t0, **outcome)
 
         res = rounds.region_residual(rule, region_model, k_world)
-        self.averager.set_shared_state(round_index=w, tensors=res, region=self.region, world_round=w)
-        emb = rounds.embed(rule, res)
+        # what the other leaders see of this region is computed from what it sent (border DP)
+        served = res if sent is None else rounds.region_residual(rule, sent, k_world)
+        self.averager.set_shared_state(round_index=w, tensors=served, region=self.region, world_round=w)
+        emb = rounds.embed(rule, served)
         record = records.ResidualRecord.from_tensor(emb, region=self.region, peer_id=self.peer_id, world_round=w,
                                                     fingerprint=self.fingerprint, time=get_dht_time())
         with self.lock:
             records.publish_residual(self.dht, self.validators, self.run_id, record, ttl=self.record_ttl)
-        sent += len(record.embedding)
+        n_sent += len(record.embedding)
         embeddings = self._wait_for_embeddings(w, {r: pid for r, (pid, _) in members.items()}, emb, should_stop)
         weights, need = rounds.residual_fetch_list(rule, embeddings, self.region)
         fetched: dict[str, list[torch.Tensor]] = {}
@@ -139,7 +143,7 @@ class WorldExchange:
                     ", ".join(sorted(embeddings)), ", ".join(sorted(fetched)) or "none")
         return WorldOutcome(ok=True, model=model, fetched=tuple(sorted(fetched)),
                             weights={g: [round(float(x), 6) for x in a] for g, a in weights.items()},
-                            seconds=time.monotonic() - t0, **{**outcome, "bytes_sent": sent,
+                            seconds=time.monotonic() - t0, **{**outcome, "bytes_sent": n_sent,
                                                               "bytes_received": received})
 
     def _wait_for_embeddings(self, w: int, members: dict[str, str], own: torch.Tensor,

@@ -188,6 +188,29 @@ class LocalTrainer:
         return total / count
 
     @torch.no_grad()
+    def tune_losses(self, params: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """Per-window mean cross-entropy on the tune slice (float64, one value per evaluation window,
+        in order; empty without a tune slice), for the significance test of evidence mixing
+        (:func:`worldlm_p2p.mixing.significant`). ``params`` as in :meth:`tune_loss`."""
+        if params is not None:
+            set_params(self.model, params)
+        if self.data.tune.numel() < 2:
+            return torch.zeros(0, dtype=torch.float64)
+        cfg = self.train_cfg
+        was_training = self.model.training
+        self.model.eval()
+        out = []
+        try:
+            windows = max(cfg.batch_size, min(32, 8192 // cfg.seq_len))
+            for x, y in eval_batches(self.data.tune, seq_len=cfg.seq_len, batch_size=windows, max_tokens=0):
+                x, y = x.to(self.device), y.to(self.device)
+                loss = self._loss(x, y, reduction="none").reshape(y.shape)
+                out.append(loss.double().mean(dim=1).cpu())
+        finally:
+            self.model.train(was_training)
+        return torch.cat(out)
+
+    @torch.no_grad()
     def tune_loss(self, params: Sequence[torch.Tensor] | None = None) -> float:
         """Mean cross-entropy (nats/token) on the tune slice (``data.tune``, training text held apart
         for evidence: see :func:`~worldlm_p2p.train.data.hold_out_tune`), of the model as it is or,
