@@ -25,7 +25,9 @@ local         -                               -                                n
 
 World rounds (``worldlm`` and ``hierfavg``, every ``world_every`` region rounds, leaders only):
 :func:`world_payload` / :func:`world_apply` (the leaders' all-reduce of B, and K for the world
-reference) and, for ``worldlm``, the residual-embedding exchange (:mod:`.residual`).
+reference) and, for ``worldlm``, the residual-embedding exchange (:mod:`.residual`): of K, with the
+world's mean backbone adopted (``world_target = "mean"``), or of the whole model, each region moving
+towards the regions nearest to it (``"attention"``, :func:`worldlm_p2p.residual.region_attention`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ rounds, on a snapshot of its region's agreed model:
    and serves the full residual over hivemind's P2P (the averager's state-download RPC, asked of
    one chosen peer). It reads the other leaders' sketches of the same world round, scores them
    (:func:`worldlm_p2p.rounds.residual_fetch_list`) and downloads only the residuals whose weight
-   matters, then applies :func:`worldlm_p2p.rounds.residual_update`.
+   matters, then applies :func:`worldlm_p2p.rounds.residual_update`. With world attention
+   (``aggregation.world_target = "attention"``) the residual, its sketch and what is fetched are
+   those of the whole model, and the region keeps its own backbone, moved towards the regions
+   nearest to it (:func:`worldlm_p2p.residual.region_attention`).
 
 The math is :mod:`worldlm_p2p.rounds`; this module only moves tensors and records. A failure at any
 step (no other leader, a timeout, a malformed record) leaves the region's model as it was: the
