@@ -446,11 +446,12 @@ def test_world_round_attention_matches_the_formula():
     out = world_round(rule, regions, tokens)
     # independent reference: theta_world = token-weighted mean of every tensor; sketches of
     # theta_R - theta_world per tensor; a_RG = softmax_{G != R}(-D_RG / mean D / tau), D the squared
-    # distance of the flattened sketches; theta_R' = theta_R + beta sum_G a_RG (theta_G - theta_R)
+    # distance of the summed per-tensor sketches (one sketch of the whole residual);
+    # theta_R' = theta_R + beta sum_G a_RG (theta_G - theta_R)
     total = sum(tokens.values())
     world = [sum(tokens[r] / total * regions[r][j].double() for r in names) for j in range(len(SHAPES))]
     res = {r: [regions[r][j].double() - world[j] for j in range(len(SHAPES))] for r in names}
-    emb = {r: residual.residual_embedding(res[r], dim=8, seed=2).double().flatten() for r in names}
+    emb = {r: residual.residual_embedding(res[r], dim=8, seed=2).double().sum(dim=0) for r in names}
     for r in names:
         others = [g for g in names if g != r]
         d = T([float(((emb[r] - emb[g]) ** 2).sum()) for g in others], dtype=torch.float64)
@@ -478,3 +479,19 @@ def test_world_round_attention_uses_what_was_sent():
     # beta 1, one partner: a region's next model is what the other sent
     _close(out.models["eu"], sent["na"], atol=1e-6)
     _close(out.models["na"], sent["eu"], atol=1e-6)
+
+
+def test_world_attention_publishes_one_sketch_of_the_whole_residual():
+    # a DHT record of residual_dim numbers whatever the model's size: the sum of the per-tensor
+    # count sketches (itself a count sketch of the concatenated residual: linear in the residual)
+    from worldlm_p2p.rounds import embed
+
+    g = torch.Generator().manual_seed(5)
+    res = _model(g)
+    rule = RoundRule(strategy="worldlm", split=SPLIT, residual_dim=16, world_target="attention")
+    e = embed(rule, res)
+    assert e.shape == (1, 16)
+    assert torch.allclose(e[0], residual.residual_embedding(res, dim=16, seed=0).sum(dim=0), atol=1e-6)
+    twice = embed(rule, [2 * t for t in res])
+    assert torch.allclose(twice, 2 * e, atol=1e-5)
+    assert embed(RoundRule(strategy="worldlm", split=SPLIT, residual_dim=16), SPLIT.take_key(res)).shape == (2, 16)

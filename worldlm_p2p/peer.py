@@ -329,11 +329,30 @@ class Peer:
                         self.config.region)
             return
         logger.info("region %s has %d live peer(s): loading its current model", self.config.region, len(others))
+        state = self._download_region_state()
+        if state is None:
+            return
+        meta, self._anchor, momentum = state
+        self._momentum = momentum or None
+        set_params(self.model, self._anchor)
+        self.stats.round = int(meta.get("round", 0))
+        if isinstance(meta.get("world_round"), int):
+            self.stats.world_round = meta["world_round"]
+            if meta["world_round"] >= 0:
+                self._world_ref = None
+        self._adopt_border_history(meta.get("border_history"))
+        self.stats.started_from = "region"
+        self._trace("join", dict(meta=meta, tensors=self._anchor))
+        logger.info("loaded the region model of round %d from a peer", self.stats.round)
+
+    def _download_region_state(self) -> tuple[dict, list[torch.Tensor], list[torch.Tensor]] | None:
+        """``(metadata, the region's agreed model, the outer momentum)`` served by a peer of the region,
+        or None (logged) when none arrives in time or it does not match this run's model."""
         loaded = self._averager.download_region_state(timeout=self.config.join_state_timeout)
         if loaded is None:
-            logger.warning("could not download the region's model within %.0fs; starting from the common "
-                           "initialisation", self.config.join_state_timeout)
-            return
+            logger.warning("could not download the region's model within %.0fs; keeping the model this peer has",
+                           self.config.join_state_timeout)
+            return None
         meta, tensors = loaded
         n_mom, n_delta = meta.get("n_momentum", 0), meta.get("n_delta", 0)
         n_ref = meta.get("n_ref", 0)
@@ -348,23 +367,29 @@ class Peer:
                 0, len(self.rule.backbone(self._anchor))) or any(
                 a.shape != b.shape for a, b in zip(tensors, self._anchor)):
             logger.warning("rejected region state from a peer: it does not match this run's model")
-            return
+            return None
         tensors = [t.detach().to("cpu", torch.float32).clone() for t in tensors]
-        self._anchor, momentum = tensors[:n_anchor], tensors[n_anchor:]
-        self._momentum = momentum or None
+        anchor, momentum = tensors[:n_anchor], tensors[n_anchor:]
         if self.rule.strategy == "fedper":  # the key layers are per peer: keep this peer's own
-            self._anchor = self.rule.split.merge(self.rule.split.take_backbone(self._anchor),
-                                                 self.rule.split.take_key(get_flat_params(self.model)))
-        set_params(self.model, self._anchor)
-        self.stats.round = int(meta.get("round", 0))
-        if isinstance(meta.get("world_round"), int):
-            self.stats.world_round = meta["world_round"]
-            if meta["world_round"] >= 0:
-                self._world_ref = None
-        self._adopt_border_history(meta.get("border_history"))
-        self.stats.started_from = "region"
-        self._trace("join", dict(meta=meta, tensors=self._anchor))
-        logger.info("loaded the region model of round %d from a peer", self.stats.round)
+            anchor = self.rule.split.merge(self.rule.split.take_backbone(anchor),
+                                           self.rule.split.take_key(get_flat_params(self.model)))
+        return meta, anchor, momentum
+
+    def _refresh_joined_anchor(self, missed: int) -> None:
+        """A peer that joined from the region's state and then finds the region ahead of it at its
+        first barrier (the region's lone peer held region rounds of one while this one started) holds
+        a stale anchor; every member of a round must hold the same one (the reference of the K
+        attention and of the pure round), so it downloads the region's current agreed model again.
+        Its own model, trained meanwhile, is kept: that is its contribution."""
+        state = self._download_region_state()
+        if state is None:
+            return
+        meta, anchor, momentum = state
+        if int(meta.get("round", -1)) < self.stats.round:
+            return  # not newer than what this peer holds
+        self._anchor, self._momentum = anchor, momentum or None
+        logger.info("the region moved %d round(s) ahead while this peer joined: took its agreed model of "
+                    "round %d as the reference", missed, int(meta.get("round", 0)))
 
     # ------------------------------------------------------------------ progress records
     def _record(self) -> records.ProgressRecord:
@@ -412,7 +437,10 @@ class Peer:
         decision = barrier.wait_for_region(my_round=s.round, fetch_others=self._other_region_records,
                                            announce=announce, timeout=m.averaging.barrier_timeout,
                                            should_stop=self._stop.is_set)
-        s.round = decision.round
+        missed, s.round = decision.round - s.round, decision.round
+        if (missed > 0 and s.rounds_completed == 0 and s.started_from == "region"
+                and decision.action is not barrier.Action.ALONE and not self._stop.is_set()):
+            self._refresh_joined_anchor(missed)
         if decision.action is barrier.Action.ALONE or self._stop.is_set():
             if not self._stop.is_set():
                 level = logging.DEBUG if self._was_alone else logging.INFO

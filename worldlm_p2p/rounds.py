@@ -364,8 +364,13 @@ def region_residual(rule: RoundRule, region_params: Sequence[torch.Tensor], refe
 
 
 def embed(rule: RoundRule, res: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The residual embedding a leader publishes (shape (key layers, residual_dim))."""
-    return residual.residual_embedding(res, dim=rule.residual_dim, seed=rule.seed)
+    """The residual embedding a leader publishes: shape (key layers, residual_dim), one sketch per
+    key layer; with :attr:`RoundRule.world_attention` shape (1, residual_dim), the sum of the
+    per-tensor sketches, which is a count sketch of the whole residual (every coordinate in one
+    bucket with a random sign), so the record stays ``residual_dim`` numbers whatever the model's
+    size (a sketch per tensor of a whole model overflows what one hivemind DHT message carries)."""
+    emb = residual.residual_embedding(res, dim=rule.residual_dim, seed=rule.seed)
+    return emb.sum(dim=0, keepdim=True) if rule.world_attention else emb
 
 
 def residual_fetch_list(rule: RoundRule, embeddings: Mapping[str, torch.Tensor], region: str
