@@ -385,11 +385,12 @@ class Peer:
         if state is None:
             return
         meta, anchor, momentum = state
-        if int(meta.get("round", -1)) < self.stats.round:
-            return  # not newer than what this peer holds
+        served = meta.get("round")
+        if not isinstance(served, int) or served < self.stats.round:
+            return  # not newer than what this peer holds (or a malformed index: keep what it has)
         self._anchor, self._momentum = anchor, momentum or None
         logger.info("the region moved %d round(s) ahead while this peer joined: took its agreed model of "
-                    "round %d as the reference", missed, int(meta.get("round", 0)))
+                    "round %d as the reference", missed, served)
 
     # ------------------------------------------------------------------ progress records
     def _record(self) -> records.ProgressRecord:
