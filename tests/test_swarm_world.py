@@ -60,8 +60,7 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
     policy = {"eu": (0.5, 0.02), "na": (1.0, 0.005)}  # (clip C, noise multiplier sigma)
     dp = {r: ["--region-dp-clip", str(c), "--region-dp-noise", str(n)] for r, (c, n) in policy.items()}
     eu = {lab: start_peer(procs, tmp_path, maddrs, region="eu", sub=sub, label=lab, max_steps=MANY, extra=dp["eu"])
-          for lab, sub in (("eu-a", "de_news-reviews-wiki"), ("eu-b", "fr_blog-news-reviews-wiki"),
-                           ("eu-c", "nl_news"))}
+          for lab, sub in (("eu-a", "de_news-reviews-wiki"), ("eu-b", "fr_blog-news-reviews-wiki"))}
     # na-b also trains with DP-SGD (Opacus): the monitor shows the epsilon it spends
     na = {lab: start_peer(procs, tmp_path, maddrs, region="na", sub=sub, label=lab, max_steps=MANY,
                           extra=dp["na"] + extra)
@@ -154,23 +153,34 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
         assert choice is not None and 0.0 <= choice.lam <= 1.0 and choice.lam == pytest.approx(t["mix_lam"], abs=1e-5)
         assert max_abs_diff(t["after"], model) < 1e-5, (member, k, choice)
 
-        # the monitor lists every peer with its region, and the leaders the peers themselves report
-        # (leases can move under load: compare with the peers' own view just before and after)
+        # the monitor lists every peer with its region, and, in each region, a leader that the peers
+        # themselves report (leases can move under load, and a peer's progress record says so only at
+        # its next publication: the monitor's leader is one the peers named just before or just after)
+        seen: list = []
+
         def monitor_agrees():
             before = _leaders(reader)
             r = _monitor(maddrs, "--once", "--json")  # the run id is found from the manifest
             assert r.returncode == 0, r.stderr
             snap = json.loads(r.stdout)
-            leaders = {reg: {v["leader_label"]} for reg, v in snap["regions"].items()}
-            return snap if leaders == before == _leaders(reader) else None
+            after = _leaders(reader)
+            leaders = {reg: v["leader_label"] for reg, v in snap["regions"].items()}
+            seen.append((before, leaders, after))
+            agree = set(leaders) == {"eu", "na"} and all(
+                lab is not None and lab in before.get(reg, set()) | after.get(reg, set()) for reg, lab in leaders.items())
+            return snap if agree else None
 
-        snap = wait_for(monitor_agrees, 90, "the monitor's leaders to match the peers' own view", poll=0)
+        try:
+            snap = wait_for(monitor_agrees, 120, "the monitor's leaders to match the peers' own view", poll=0)
+        except AssertionError as e:  # say what each side saw (peers before, monitor, peers after)
+            raise AssertionError(f"{e}: {seen[-4:]}\n" + "\n".join(f"--- {lab}\n{log_tail(tmp_path, lab, 12)}"
+                                                                for lab in labels)) from None
         assert snap["run_id"] == "world" and snap["manifest"]["strategy"] == "worldlm"
         assert {reg: {p["label"] for p in v["peers"]} for reg, v in snap["regions"].items()} == \
             {"eu": set(eu), "na": set(na)}
         assert all(p["region"] == reg for reg, v in snap["regions"].items() for p in v["peers"])
         assert all(sum(p["leader"] for p in v["peers"]) == 1 for v in snap["regions"].values())
-        assert snap["totals"]["peers"] == 5 and snap["totals"]["regions"] == 2
+        assert snap["totals"]["peers"] == 4 and snap["totals"]["regions"] == 2
         eps = {p["label"]: p["epsilon"] for v in snap["regions"].values() for p in v["peers"]}
         assert eps["na-b"] > 0 and all(e is None for lab, e in eps.items() if lab != "na-b"), eps
         assert snap["regions"]["na"]["epsilon"] == eps["na-b"] and snap["regions"]["eu"]["epsilon"] is None
@@ -201,10 +211,10 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
         r = _monitor(maddrs, "--run-id", "world", "--once")
         assert r.returncode == 0, r.stderr
         assert eu_leader not in r.stdout and all(lab in r.stdout for lab in labels if lab != eu_leader), r.stdout
-        assert f"leader {new} (" in r.stdout and "4 peers online in 2 regions" in r.stdout, r.stdout
+        assert f"leader {new} (" in r.stdout and "3 peers online in 2 regions" in r.stdout, r.stdout
         assert "ε" in r.stdout, r.stdout  # the DP-SGD peer's privacy budget has a column
         # the monitors never joined a group: no region round ever had more members than its region's peers
-        assert all(rec.last_group_size <= {"eu": 3, "na": 2}[rec.region] for rec in reader.by_label().values())
+        assert all(rec.last_group_size <= {"eu": 2, "na": 2}[rec.region] for rec in reader.by_label().values())
     finally:
         reader.close()
     for lab, p in {**eu, **na}.items():
