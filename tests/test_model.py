@@ -31,18 +31,15 @@ HAND_COUNTS = {
 NOMINAL = {"tiny": 1e6, "small": 20e6, "base": 125e6, "large": 400e6}
 
 
-def test_hand_counts_are_what_the_comment_says() -> None:
-    assert HAND_COUNTS == {"tiny": 837_120, "small": 21_342_720, "base": 122_903_040, "large": 402_968_576}
-
-
 @pytest.mark.parametrize("preset", ["tiny", "small", "base", "large"])
 def test_preset_sizes(preset: str) -> None:
     cfg = MODEL_PRESETS[preset]
     assert expected_parameters(cfg, vocab_size=BYTE_VOCAB) == HAND_COUNTS[preset]
     with torch.device("meta"):
         model = build_model(cfg, vocab_size=BYTE_VOCAB, seed=0)
-    assert count_parameters(model) == HAND_COUNTS[preset]
-    assert abs(HAND_COUNTS[preset] - NOMINAL[preset]) / NOMINAL[preset] < 0.2
+    n = count_parameters(model)
+    assert n == HAND_COUNTS[preset]
+    assert abs(n - NOMINAL[preset]) / NOMINAL[preset] < 0.2  # the preset is the size its name promises
 
 
 def test_untied_embeddings_add_a_head() -> None:

@@ -115,10 +115,19 @@ def test_lr_schedule_and_param_groups(demo_tokens: TokenData) -> None:
 
 
 def test_grad_clip_zero_disables_clipping(demo_tokens: TokenData) -> None:
-    clipped = _trainer(demo_tokens).train_step(0)
-    assert math.isfinite(clipped.grad_norm) and clipped.grad_norm > 0
-    unclipped = _trainer(demo_tokens, train=dataclasses.replace(TRAIN, grad_clip=0.0)).train_step(0)
-    assert math.isnan(unclipped.grad_norm)
+    def step(grad_clip: float) -> tuple[float, list[torch.Tensor]]:
+        t = _trainer(demo_tokens, train=dataclasses.replace(TRAIN, grad_clip=grad_clip))
+        return t.train_step(0).grad_norm, [p.detach().clone() for p in t.model.parameters()]
+
+    norm, off = step(0.0)
+    assert math.isnan(norm)  # no norm is computed when nothing is clipped
+    # the same step as with a bound no gradient reaches (clip_grad_norm_ then scales by exactly 1) ...
+    big_norm, never = step(1e30)
+    assert math.isfinite(big_norm) and big_norm > 0
+    assert all(torch.equal(a, b) for a, b in zip(off, never))
+    # ... and not the step of a bound that binds (the gradient's norm is far above 1e-3)
+    _, tight = step(1e-3)
+    assert max((a - b).abs().max().item() for a, b in zip(off, tight)) > 1e-6
 
 
 def test_resume_from_state_matches_uninterrupted(demo_tokens: TokenData) -> None:
