@@ -28,6 +28,7 @@ def test_progress_table_renders_every_peer():
 
 
 @pytest.mark.network
+@pytest.mark.slow
 def test_swarm_runs_a_small_world_writes_summary_and_stops_on_ctrl_c(tmp_path):
     import signal
     import time

@@ -17,7 +17,7 @@ import torch
 from swarm_utils import (Procs, ProgressReader, group_of, log_tail, max_abs_diff, process_group, round_error,
                          start_bootstrap, start_peer, summary, trace, traces, wait_for)
 
-pytestmark = pytest.mark.network
+pytestmark = [pytest.mark.network, pytest.mark.slow]  # several peer processes each
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from worldlm_p2p.config import RunManifest
 from worldlm_p2p.simulate import SimConfig, Simulator
 from worldlm_p2p.train import get_flat_params
 
-pytestmark = pytest.mark.network
+pytestmark = [pytest.mark.network, pytest.mark.slow]  # several peer processes each
 
 REGION = "eu"
 SUBS = ("de_news-reviews-wiki", "es_blog-news-reviews-wiki", "fi_mixed")

@@ -19,7 +19,7 @@ import torch
 from swarm_utils import (REPO, Procs, ProgressReader, env, log_tail, max_abs_diff, round_rule, start_bootstrap,
                          start_peer, summary, tune_trainer, wait_for, world_traces)
 
-pytestmark = pytest.mark.network
+pytestmark = [pytest.mark.network, pytest.mark.slow]  # several peer processes each
 
 MANY = 100_000  # peers run until stopped
 # the failover test runs the world rounds other than the defaults (which the regions-of-one test

@@ -1,1 +1,7 @@
-"""Thin command-line entry points: parse, build a config, run, shut down cleanly."""
+"""Thin command-line entry points: parse, build a config, run, shut down cleanly.
+
+- ``common``: one-line errors with exit code 2, signal handling, ``--config`` files.
+- ``peer``: ``worldlm-peer``; ``bootstrap``: ``worldlm-bootstrap``; ``swarm``: ``worldlm-swarm``;
+  ``monitor``: ``worldlm-monitor``; ``simulate``: ``worldlm-simulate``; ``export``:
+  ``worldlm-export``; ``eval``: ``worldlm-eval``; ``report``: ``worldlm-report``.
+"""
