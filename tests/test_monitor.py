@@ -14,12 +14,14 @@ from worldlm_p2p.net.records import LeaseRecord, ProgressRecord
 
 
 def _rec(label, region, *, peer_id=None, step=10, tokens=1000, loss=2.0, tps=100.0, t=100.0, finished=False,
-         round=2, world_round=-1, trend=(), epsilon=-1.0, fingerprint="f", bytes_sent=10, mix=(-1.0, -1.0)):
+         round=2, world_round=-1, trend=(), epsilon=-1.0, fingerprint="f", bytes_sent=10, mix=(-1.0, -1.0),
+         border=(-1.0, -1)):
     return ProgressRecord(region=region, peer_id=peer_id or f"Qm{label}", label=label, step=step, tokens=tokens,
                           train_loss=loss, tokens_per_s=tps, rounds_completed=round, last_group_size=2,
                           bytes_sent=bytes_sent, bytes_received=5, round=round, waiting_for_round=-1,
                           fingerprint=fingerprint, time=t, finished=finished, world_round=world_round,
-                          loss_trend=tuple(trend), epsilon=epsilon, mix_region=mix[0], mix_world=mix[1])
+                          loss_trend=tuple(trend), epsilon=epsilon, mix_region=mix[0], mix_world=mix[1],
+                          border_epsilon=border[0], border_releases=border[1])
 
 
 def _lease(peer_id, region, since, expires, fingerprint="f"):
@@ -70,6 +72,23 @@ def test_snapshot_with_manifest_drops_other_runs():
     assert [p["label"] for p in snap["regions"]["eu"]["peers"]] == ["eu-a"]
     assert snap["regions"]["eu"]["leader"] == "Qmeu-a"
     assert snap["manifest"]["strategy"] == m.aggregation.strategy and snap["manifest"]["fingerprint"] == fp
+
+
+def test_snapshot_border_account_is_the_best_informed_peers():
+    # the leader knows of 3 releases, a member that adopted the region's state earlier of 2, a
+    # member of another region has border DP off
+    progress = [_rec("eu-a", "eu", border=(1.75, 3)), _rec("eu-b", "eu", border=(1.25, 2)), _rec("na-a", "na")]
+    snap = build_snapshot(progress, [], run_id="r", now=100.0, dht_now=60.0)
+    eu, na = snap["regions"]["eu"], snap["regions"]["na"]
+    assert (eu["border_epsilon"], eu["border_releases"]) == (1.75, 3)
+    assert [(p["border_epsilon"], p["border_releases"]) for p in eu["peers"]] == [(1.75, 3), (1.25, 2)]
+    assert (na["border_epsilon"], na["border_releases"]) == (None, None) and na["peers"][0]["border_releases"] is None
+    console = Console(record=True, width=150)
+    console.print(monitor_view(snap))
+    assert "border ε 1.75 (3 releases)" in console.export_text()
+    # on the wire a release count without an epsilon (border DP off) is dropped
+    off = ProgressRecord.from_wire(_rec("x", "eu", border=(-1.0, 4)).to_wire())
+    assert (off.border_epsilon, off.border_releases) == (-1.0, -1)
 
 
 def test_sparkline():

@@ -107,7 +107,8 @@ def monitor_view(snapshot: Mapping[str, Any]) -> RenderableType:
         if reg.get("epsilon") is not None:
             head.append(f" · ε {reg['epsilon']:.2f}")
         if reg.get("border_epsilon") is not None:
-            head.append(f" · border ε {reg['border_epsilon']:.3g}")
+            n = reg.get("border_releases")
+            head.append(f" · border ε {reg['border_epsilon']:.3g}" + (f" ({n} releases)" if n is not None else ""))
         dp = any(p["epsilon"] is not None for p in reg["peers"])
         mixing = any(p.get("mix_region") is not None or p.get("mix_world") is not None for p in reg["peers"])
         table = Table(title=head, title_justify="left", expand=False)

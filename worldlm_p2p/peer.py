@@ -408,6 +408,7 @@ class Peer:
             loss_trend=tuple(h["loss"] for h in s.history[-records.MAX_LOSS_TREND:]),
             epsilon=self._epsilon(),
             border_epsilon=self._border.epsilon() if self._border is not None else -1.0,
+            border_releases=self._border.releases if self._border is not None else -1,
             mix_region=self._recent_mix("region"), mix_world=self._recent_mix("world"))
 
     def _epsilon(self) -> float:

@@ -23,10 +23,10 @@ EPILOG = """\
 JSON (--json): one snapshot object per line, {"run_id", "time", "manifest", "regions", "totals"};
 "regions" maps each region to {"leader", "leader_label", "region_round", "world_round",
 "peers_online", "tokens", "tokens_per_s", "train_loss", "loss_trend", "epsilon", "border_epsilon",
-"peers": [{"peer_id",
+"border_releases", "peers": [{"peer_id",
 "short_id", "label", "region", "step", "tokens", "train_loss", "tokens_per_s", "rounds_completed",
 "round", "world_round", "leader", "seconds_since_heard", "finished", "status", "epsilon", "border_epsilon",
-"mix_region", "mix_world", "bytes_sent", "bytes_received", "last_group_size", "loss_trend"}]}; "totals" has
+"border_releases", "mix_region", "mix_world", "bytes_sent", "bytes_received", "last_group_size", "loss_trend"}]}; "totals" has
 "regions", "peers", "peers_online", "tokens", "tokens_per_s", "bytes_sent". "epsilon" is null where
 differential privacy is off (epsilon: DP-SGD at the peers; border_epsilon: the region's border);
 "mix_region" / "mix_world" (the live view's "took r/w") are the mean weights a peer took of its

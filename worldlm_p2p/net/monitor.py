@@ -23,13 +23,14 @@ plain JSON-able dict; this is the schema ``worldlm-monitor --once --json`` print
           "loss_trend": [3.1, 2.8, 2.6],   # mean train loss of each span of inner_steps steps
           "epsilon": 3.2 | null,           # largest DP-SGD epsilon spent by a peer (null: DP-SGD off)
           "border_epsilon": 9.1 | null,    # what the region spent at its border (null: border DP off)
+          "border_releases": 12 | null,    # the border releases it composes (as the best-informed peer knows)
           "peers": [                       # sorted by label
             {"peer_id": "...", "short_id": "…a1b2c3", "label": "eu-de", "region": "eu",
              "step": 60, "tokens": 38400, "train_loss": 2.4, "tokens_per_s": 410.2,
              "rounds_completed": 4, "round": 4, "world_round": 1, "leader": true,
              "seconds_since_heard": 1.3, "finished": false,
              "status": "training",         # or "round N" (in region round N), or "finished"
-             "epsilon": null, "border_epsilon": null,
+             "epsilon": null, "border_epsilon": null, "border_releases": null,
              "mix_region": 0.06 | null,    # evidence mixing: mean weight it took of the region's model
              "mix_world": 0.02 | null,     # and of the world's changes, over its last 8 choices
              "bytes_sent": 123456, "bytes_received": 120000,
@@ -116,13 +117,16 @@ def build_snapshot(progress: Sequence[ProgressRecord], leases: Sequence[LeaseRec
                 leader=r.peer_id == leader, seconds_since_heard=max(0.0, now - r.time), finished=r.finished,
                 status=_status(r), epsilon=r.epsilon if r.epsilon >= 0 else None,
                 border_epsilon=r.border_epsilon if r.border_epsilon >= 0 else None,
+                border_releases=r.border_releases if r.border_epsilon >= 0 and r.border_releases >= 0 else None,
                 mix_region=r.mix_region if r.mix_region >= 0 else None,
                 mix_world=r.mix_world if r.mix_world >= 0 else None, bytes_sent=r.bytes_sent,
                 bytes_received=r.bytes_received, last_group_size=r.last_group_size,
                 loss_trend=list(r.loss_trend)))
         online = [p for p in peers if not p["finished"]]
         eps = [p["epsilon"] for p in peers if p["epsilon"] is not None]
-        border = [p["border_epsilon"] for p in peers if p["border_epsilon"] is not None]
+        # the region's border account: that of the peer that knows of the most releases
+        most = max((p for p in peers if p["border_epsilon"] is not None),
+                   key=lambda p: (p["border_releases"] or 0, p["border_epsilon"]), default=None)
         regions[region] = dict(
             leader=leader,
             leader_label=next((p["label"] for p in peers if p["peer_id"] == leader), None),
@@ -134,7 +138,8 @@ def build_snapshot(progress: Sequence[ProgressRecord], leases: Sequence[LeaseRec
             train_loss=sum(p["train_loss"] for p in peers) / len(peers),
             loss_trend=_mean_trend([p["loss_trend"] for p in peers if p["loss_trend"]]),
             epsilon=max(eps) if eps else None,
-            border_epsilon=max(border) if border else None,
+            border_epsilon=most["border_epsilon"] if most is not None else None,
+            border_releases=most["border_releases"] if most is not None else None,
             peers=peers,
         )
     totals = dict(

@@ -70,6 +70,7 @@ class _ProgressModel(pydantic.BaseModel):
     loss_trend: pydantic.conlist(_NonNegFloat, max_items=MAX_LOSS_TREND) = []
     epsilon: pydantic.confloat(strict=True, ge=-1, allow_inf_nan=False) = -1.0
     border_epsilon: pydantic.confloat(strict=True, ge=-1, allow_inf_nan=False) = -1.0
+    border_releases: pydantic.conint(strict=True, ge=-1) = -1
     mix_region: pydantic.confloat(strict=True, ge=-1, le=1, allow_inf_nan=False) = -1.0
     mix_world: pydantic.confloat(strict=True, ge=-1, le=1, allow_inf_nan=False) = -1.0
 
@@ -193,6 +194,7 @@ class ProgressRecord:
     loss_trend: tuple[float, ...] = ()
     epsilon: float = -1.0  # privacy budget spent by the peer's DP-SGD (-1: differential privacy is off)
     border_epsilon: float = -1.0  # what its region has spent at its border, as this peer knows it (-1: off)
+    border_releases: int = -1  # the border releases that epsilon composes (-1: border DP off)
     # evidence mixing: the mean weight the peer took of its region's agreed model / of the world's
     # changes in its last few choices (-1: none made)
     mix_region: float = -1.0
@@ -206,6 +208,7 @@ class ProgressRecord:
         for key in ("epsilon", "border_epsilon"):
             eps = float(d[key])
             d[key] = eps if math.isfinite(eps) and eps >= 0 else -1.0
+        d["border_releases"] = max(-1, int(d["border_releases"])) if d["border_epsilon"] >= 0 else -1
         for key in ("mix_region", "mix_world"):
             lam = float(d[key])
             d[key] = lam if math.isfinite(lam) and 0 <= lam <= 1 else -1.0
