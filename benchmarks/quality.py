@@ -254,6 +254,16 @@ def paired_ratio(variant: dict[int, dict[str, float]], base: dict[int, dict[str,
     return m, sd, sum(x < 1 for x in ratios), len(ratios), verdict
 
 
+def _worse(variant: dict[int, dict[str, float]], local: dict[int, dict[str, float]], region: str) -> bool:
+    """Whether a variant's mean perplexity in ``region`` exceeds local's by more than the larger of
+    the two seed spreads (the verdict of the worldlm-against-local table)."""
+    w = mean_sd([variant[s][region] for s in variant])
+    lo = mean_sd([local[s][region] for s in local])
+    if not math.isfinite(w[0]):
+        return True
+    return math.isfinite(lo[0]) and w[0] - lo[0] > max(w[1], lo[1])
+
+
 def corpus_tables(corpus: str, budget: Budget, layout, results: dict[str, dict[int, dict]], args) -> tuple[list[str], dict]:
     """Markdown for one corpus and budget, and its summary figures."""
     regions = sorted(layout)
@@ -326,8 +336,9 @@ def corpus_tables(corpus: str, budget: Budget, layout, results: dict[str, dict[i
         lines += ["", "X against worldlm: the ratio of the region means, and the same ratio paired by seed (the "
                   "runs of one seed share the initial model and the order of the data, so the per-seed ratio "
                   "removes most of the seed noise; 'lower' / 'higher': a paired t-test at the 5% level):", "",
-                  "| X | region mean X / worldlm | paired by seed: mean ± sd | seeds lower | paired verdict |",
-                  "|---|---:|---:|---:|---|"]
+                  "| X | region mean X / worldlm | paired by seed: mean ± sd | seeds lower | paired verdict "
+                  "| regions worse than local beyond the seed spread |",
+                  "|---|---:|---:|---:|---|---|"]
         for v, s in summary.items():
             if v in ("worldlm", "against_local"):
                 continue
@@ -338,7 +349,12 @@ def corpus_tables(corpus: str, budget: Budget, layout, results: dict[str, dict[i
                 m, sd, lower, n, verdict = paired
                 cells = f"{m:.4f} ± {sd:.4f} | {lower} of {n} | {verdict}"
                 s["paired"] = dict(mean=m, sd=sd, seeds_lower=lower, seeds=n, verdict=verdict)
-            lines.append(f"| {v} | {fmt(s['region_mean'] / w)}x | {cells} |")
+            worse = "-"
+            if v.startswith("worldlm:") and "local" in per_variant:
+                worse_regions = [r for r in regions if _worse(per_variant[v], per_variant["local"], r)]
+                s["regions_worse_than_local"] = worse_regions
+                worse = ", ".join(worse_regions) or "none"
+            lines.append(f"| {v} | {fmt(s['region_mean'] / w)}x | {cells} | {worse} |")
     return lines + [""], summary
 
 
