@@ -36,8 +36,10 @@ $Q --budgets long --corpora today --seeds 1 --baselines "" --ablations "" --out 
 #    short budget on every corpus, 3 seeds; long budget where they could gain or hurt
 $Q --budgets short --corpora scripts,related,mixed,today,random --ablation-corpora scripts,related,mixed,today,random \
    --ablations world-attn,mix-z2,attn-z2,full-z2,attn-full-z2 --baselines "" --out "$W/p8.json"
-$Q --budgets long --corpora related,mixed --ablation-corpora related,mixed --ablations world-attn --baselines "" \
-   --out "$W/p9.json"
+$Q --budgets long --corpora scripts,related,mixed --ablation-corpora scripts,related,mixed --ablations world-attn \
+   --baselines "" --out "$W/p9.json"
+$Q --budgets long --corpora random,today --ablation-corpora random,today --ablations world-attn --seeds 1 \
+   --baselines "" --out "$W/p9b.json"
 $Q --budgets long --corpora scripts --ablation-corpora scripts --ablations mix-z2 --baselines "" \
    --out "$W/p10.json"
 # the tables of everything above; the runs of the full plan that were not made are listed as not run
