@@ -108,7 +108,7 @@ def monitor_view(snapshot: Mapping[str, Any]) -> RenderableType:
             head.append(f" · ε {reg['epsilon']:.2f}")
         if reg.get("border_epsilon") is not None:
             n = reg.get("border_releases")
-            head.append(f" · border ε {reg['border_epsilon']:.3g}" + (f" ({n} releases)" if n is not None else ""))
+            head.append(f" · border ε {reg['border_epsilon']:.3g}" + (f" ({n} release{'' if n == 1 else 's'})" if n is not None else ""))
         dp = any(p["epsilon"] is not None for p in reg["peers"])
         mixing = any(p.get("mix_region") is not None or p.get("mix_world") is not None for p in reg["peers"])
         table = Table(title=head, title_justify="left", expand=False)
