@@ -122,7 +122,7 @@ def plan(args) -> list[Run]:
 
 def union_grouping(corpora: list[str], workdir: Path, root: Path) -> Path:
     """Every sub-corpus the corpora use, each its own region (for the local runs)."""
-    from worldlm_p2p.train.data import read_grouping
+    from worldlm_p2p.train.corpus import read_grouping
 
     subs: dict[str, Path] = {}
     for c in corpora:
@@ -438,7 +438,7 @@ def main() -> None:
     args.corpus_root = root
     os.environ["WORLDLM_CORPUS_ROOT"] = str(root)
     sys.path.insert(0, str(REPO))
-    from worldlm_p2p.train.data import read_grouping
+    from worldlm_p2p.train.corpus import read_grouping
 
     layouts = {c: {r: [p.name for p in ps] for r, ps in read_grouping(CORPORA_DIR / f"{c}.toml").items()}
                for c in args.corpora}

@@ -145,26 +145,12 @@ def max_abs_diff(xs, ys) -> float:
     return max(float((x.float() - y.float()).abs().max()) for x, y in zip(xs, ys))
 
 
-class ProgressReader:
-    """A client-mode DHT node that reads the run's progress records (never joins a group)."""
+def ProgressReader(maddrs: list[str], run_id: str):
+    """The library's reader of a run's records (:class:`worldlm_p2p.net.reader.RunReader`), without
+    the manifest: ``by_label()``, ``progress()``, ``close()``."""
+    from worldlm_p2p.net.reader import RunReader
 
-    def __init__(self, maddrs: list[str], run_id: str) -> None:
-        from hivemind.utils.crypto import RSAPrivateKey
-
-        from worldlm_p2p.config import NetConfig
-        from worldlm_p2p.net import records
-        from worldlm_p2p.net.dht import start_dht
-
-        self.run_id = run_id
-        self._records = records
-        self.dht = start_dht(NetConfig(initial_peers=tuple(maddrs)),
-                             record_validators=records.make_validators(run_id, RSAPrivateKey()), client_mode=True)
-
-    def by_label(self) -> dict:
-        return {r.label: r for r in self._records.fetch_progress(self.dht, self.run_id)}
-
-    def close(self) -> None:
-        self.dht.shutdown()
+    return RunReader(initial_peers=maddrs, run_id=run_id, manifest=False)
 
 
 def group_of(tmp: Path, label: str, r: int) -> list[dict]:

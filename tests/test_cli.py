@@ -110,7 +110,7 @@ def test_peer_privacy_settings_against_the_run_policy(tmp_path):
 
     from worldlm_p2p.config import PeerConfig, PrivacyConfig, RunManifest
     from worldlm_p2p.errors import ConfigError
-    from worldlm_p2p.peer import Peer
+    from worldlm_p2p.peer import joining
     from worldlm_p2p.train import ByteTokenizer, LocalTrainer, build_model, load_texts, peer_dp_config, tokenize_splits
 
     manifest = RunManifest.from_dict({"run_id": "dp", "privacy": {"max_peer_epsilon": 8.0},
@@ -118,14 +118,13 @@ def test_peer_privacy_settings_against_the_run_policy(tmp_path):
     data = tokenize_splits(load_texts(DATA), ByteTokenizer())
     for noise, steps, message in ((0.3, 100_000, "privacy.peer_noise 0.3 would spend epsilon"),
                                   (5.0, None, "give --max-steps")):
-        peer = Peer(config=PeerConfig(region="eu", data=DATA, privacy=PrivacyConfig(peer_noise=noise), max_steps=steps))
-        peer.manifest = manifest
-        peer._check_privacy()  # DP-SGD is on: the policy's first check passes
-        peer.trainer = LocalTrainer(model=build_model(manifest.model, vocab_size=259, seed=0), train=manifest.train,
-                                    data=data, device=torch.device("cpu"), seed=0,
-                                    dp=peer_dp_config(epsilon=0, noise=noise, clip=1.0, delta=1e-5, steps=steps))
+        config = PeerConfig(region="eu", data=DATA, privacy=PrivacyConfig(peer_noise=noise), max_steps=steps)
+        joining.check_privacy(config, manifest)  # DP-SGD is on: the policy's first check passes
+        trainer = LocalTrainer(model=build_model(manifest.model, vocab_size=259, seed=0), train=manifest.train,
+                               data=data, device=torch.device("cpu"), seed=0,
+                               dp=peer_dp_config(epsilon=0, noise=noise, clip=1.0, delta=1e-5, steps=steps))
         with pytest.raises(ConfigError, match=message) as err:
-            peer._check_projected_epsilon()
+            joining.check_projected_epsilon(config, manifest, trainer.dp)
         assert "\n" not in str(err.value) and (steps is None or "max_peer_epsilon 8" in str(err.value))
 
 

@@ -10,14 +10,12 @@ import pytest
 import torch
 
 from worldlm_p2p.errors import ConfigError, DataError
+from worldlm_p2p.train.corpus import demo_data_dir, list_corpus, read_grouping
 from worldlm_p2p.train.data import (
     TextSplits,
-    demo_data_dir,
     eval_batches,
     hold_out_tune,
-    list_corpus,
     load_texts,
-    read_grouping,
     sample_batch,
     tokenize_splits,
 )

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from worldlm_p2p.config import MODEL_PRESETS, ModelConfig, TrainConfig
 from worldlm_p2p.errors import CheckpointError, ConfigError
 from worldlm_p2p.train import DPSGDConfig
-from worldlm_p2p.train.data import TokenData, demo_data_dir, load_texts, tokenize_splits
+from worldlm_p2p.train.corpus import demo_data_dir
+from worldlm_p2p.train.data import TokenData, load_texts, tokenize_splits
 from worldlm_p2p.train.dp import (
     calibrate_noise,
     count_windows,

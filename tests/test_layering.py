@@ -11,8 +11,11 @@ import worldlm_p2p
 
 PACKAGE = Path(worldlm_p2p.__file__).parent
 # the pure math: torch, the standard library and each other only
-PURE = ("split", "aggregation", "attention", "residual", "mixing", "outer_optim", "privacy", "rounds", "checkpoint")
-PURE_MAY_USE = {"errors"}  # besides the pure modules themselves
+PURE = ("split", "aggregation", "attention", "residual", "mixing", "outer_optim", "privacy", "rounds", "checkpoint",
+        "codec")
+# besides the pure modules themselves: the settings (config, their literals, the strategies), which
+# import the standard library only
+PURE_MAY_USE = {"errors", "config", "kinds", "strategies"}
 
 
 CASES = [
@@ -22,10 +25,11 @@ CASES = [
      "worldlm_p2p.mixing, worldlm_p2p.privacy",
      ["hivemind", "transformers", "datasets", "pydantic", "msgpack"]),  # (torch itself imports asyncio and numpy)
     ("worldlm_p2p.simulate", ["hivemind"]),
-    ("worldlm_p2p.config", ["torch", "hivemind", "transformers", "datasets"]),
-    ("worldlm_p2p.checkpoint", ["hivemind", "transformers", "datasets"]),
+    ("worldlm_p2p.config, worldlm_p2p.kinds, worldlm_p2p.strategies", ["torch", "hivemind", "transformers", "datasets"]),
+    ("worldlm_p2p.checkpoint, worldlm_p2p.codec", ["hivemind", "transformers", "datasets"]),
     ("worldlm_p2p.net.records, worldlm_p2p.net.averaging, worldlm_p2p.net.barrier, worldlm_p2p.net.dht, "
-     "worldlm_p2p.net.leader, worldlm_p2p.net.world, worldlm_p2p.net.monitor",
+     "worldlm_p2p.net.leader, worldlm_p2p.net.world, worldlm_p2p.net.monitor, worldlm_p2p.net.reader, "
+     "worldlm_p2p.net.keys, worldlm_p2p.net.hivemind_compat",
      ["transformers", "datasets"]),
     ("worldlm_p2p.train", ["hivemind"]),
 ]
@@ -87,9 +91,24 @@ def test_pure_math_imports_torch_the_standard_library_and_itself_only():
 def test_package_maps_name_every_module():
     """Each package's docstring names every one of its modules (the map a newcomer reads first)."""
     missing = {}
-    for pkg in (PACKAGE, PACKAGE / "net", PACKAGE / "train", PACKAGE / "cli"):
+    for pkg in (PACKAGE, PACKAGE / "net", PACKAGE / "train", PACKAGE / "cli", PACKAGE / "peer", PACKAGE / "config"):
         doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text())) or ""
         for info in pkgutil.iter_modules([str(pkg)]):
             if f"``{info.name}``" not in doc and f"``{info.name}/``" not in doc:
                 missing.setdefault(pkg.name, []).append(info.name)
     assert not missing, missing
+
+
+def test_dht_keys_and_averager_prefixes_are_composed_in_one_module():
+    """``net/keys.py`` names every key and prefix; a key composed elsewhere is a second definition."""
+    import re
+
+    pattern = re.compile(r"""f["']\{run_id\}_|["']_(progress|leaders|residuals|runs)["']|["']worldlm_runs["']""")
+    bad = []
+    for path in PACKAGE.rglob("*.py"):
+        if path == PACKAGE / "net" / "keys.py":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                bad.append(f"{path.relative_to(PACKAGE)}:{i}: {line.strip()}")
+    assert not bad, bad

@@ -11,6 +11,7 @@ import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
+from worldlm_p2p.net import keys
 from worldlm_p2p.net import leader as leader_mod
 from worldlm_p2p.net import records
 from worldlm_p2p.net.leader import LeaderLease, elect
@@ -255,11 +256,11 @@ def test_thread_renews_and_stops(monkeypatch):
         assert lease._thread.is_alive()
         dht.fail = False
         time.sleep(0.25)
-        first = shared[records.leaders_key("r")]
+        first = shared[keys.leaders_key("r")]
         assert LeaseRecord.from_wire(next(iter(first.values()))[0]).expires > time.time()
         with pytest.raises(RuntimeError):
             lease.start()
     finally:
         lease.stop(withdraw=True)
     assert not lease._thread.is_alive() and not lease.is_leader()
-    assert LeaseRecord.from_wire(next(iter(shared[records.leaders_key("r")].values()))[0]).expires <= time.time()
+    assert LeaseRecord.from_wire(next(iter(shared[keys.leaders_key("r")].values()))[0]).expires <= time.time()

@@ -10,6 +10,7 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm_utils import LOOPBACK, wait_for
+from worldlm_p2p.net import keys
 from worldlm_p2p.config import NetConfig
 from worldlm_p2p.net import records
 from worldlm_p2p.net.leader import LeaderLease
@@ -152,7 +153,7 @@ def test_lease_records_are_signed_and_schema_checked():
                           maddrs=("/ip4/127.0.0.1/tcp/1",))
         assert records.publish_lease(good_dht, good_vals, "leads", rec, ttl=30)
         assert records.fetch_leases(bad_dht, "leads") == [rec]
-        key = records.leaders_key("leads")
+        key = keys.leaders_key("leads")
         # a record that breaks the schema is refused; so is a write into another peer's subkey
         malformed = dict(rec.to_wire(), peer_id="bad", since=-1.0)
         assert not bad_dht.store(key, malformed, expiration_time=now + 30, subkey=records.owner_subkey(bad_vals))

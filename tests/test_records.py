@@ -6,6 +6,7 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
+from worldlm_p2p.net import keys
 from worldlm_p2p.config import NetConfig, RunManifest
 from worldlm_p2p.net import records
 from worldlm_p2p.net.dht import start_dht
@@ -46,8 +47,8 @@ def test_manifest_record_detects_tampering():
 @pytest.mark.network
 def test_records_are_signed_and_validated_in_the_dht():
     run = "sig"
-    keys = [RSAPrivateKey() for _ in range(3)]
-    vals = [records.make_validators(run, k) for k in keys]
+    rsa = [RSAPrivateKey() for _ in range(3)]
+    vals = [records.make_validators(run, k) for k in rsa]
     boot = start_dht(NetConfig(), record_validators=vals[0])
     try:
         maddrs = tuple(str(m) for m in boot.get_visible_maddrs())
@@ -60,14 +61,14 @@ def test_records_are_signed_and_validated_in_the_dht():
 
             # mallory cannot write into alice's subkey: her signature does not match alice's key
             forged = _rec(label="alice", step=999).to_wire()
-            ok = mallory.store(records.progress_key(run), forged, expiration_time=get_dht_time() + 30,
+            ok = mallory.store(keys.progress_key(run), forged, expiration_time=get_dht_time() + 30,
                                subkey=records.owner_subkey(vals[1]))
             assert not ok
             assert [(r.label, r.step) for r in records.fetch_progress(boot, run)] == [("alice", 3)]
 
             # a record that breaks the schema is refused by every node
             bad = dict(_rec(label="mallory").to_wire(), step=-5)
-            assert not mallory.store(records.progress_key(run), bad, expiration_time=get_dht_time() + 30,
+            assert not mallory.store(keys.progress_key(run), bad, expiration_time=get_dht_time() + 30,
                                      subkey=records.owner_subkey(vals[2]))
             # mallory's own, well-formed record is accepted next to alice's
             assert records.publish_progress(mallory, vals[2], run, _rec(label="mallory"), ttl=30)

@@ -54,44 +54,45 @@ def test_split_of_the_toy_names():
     ("local", False, False, False),
 ])
 def test_round_rule_properties(strategy, localises, world_group, world_rounds):
-    rule = RoundRule(strategy=strategy, split=SPLIT)
+    rule = RoundRule.of(SPLIT, strategy=strategy)
     assert (rule.localises, rule.world_group, rule.has_world_rounds) == (localises, world_group, world_rounds)
     xs = [torch.full((1,), float(i)) for i in range(4)]
     assert [float(x) for x in rule.backbone(xs)] == ([0.0, 3.0] if localises else [0.0, 1.0, 2.0, 3.0])
 
 
-def test_round_rule_from_config():
+def test_round_rule_holds_the_config_and_ships_its_defaults():
     from worldlm_p2p.config import AggregationConfig
 
     agg = AggregationConfig(strategy="hierfavg", tau=0.5, eps=0.5, outer="nesterov", outer_lr=0.7,
                             residual=False, residual_dim=8, residual_tau=0.2, residual_beta=0.3)
     rule = RoundRule.from_config(agg, SPLIT, seed=5)
-    assert (rule.strategy, rule.tau, rule.eps, rule.outer, rule.outer_lr, rule.seed) == \
-        ("hierfavg", 0.5, 0.5, "nesterov", 0.7, 5)
-    assert (rule.residual, rule.residual_dim, rule.residual_tau, rule.residual_beta) == (False, 8, 0.2, 0.3)
-    assert rule.split is SPLIT
+    assert rule.config is agg and rule.seed == 5 and rule.split is SPLIT
+    assert rule.strategy.name == "hierfavg"
+    # one definition per setting: a rule built without settings is the product's defaults
+    assert RoundRule.of(SPLIT).config == AggregationConfig()
+    assert RoundRule.of(SPLIT, mix="none").config == AggregationConfig(mix="none")
 
 
 def test_region_payload_raises_for_local():
     anchor, members, _ = _region()
     with pytest.raises(ValueError):
-        region_payload(RoundRule(strategy="local", split=SPLIT), members[0], anchor)
+        region_payload(RoundRule.of(SPLIT, strategy="local"), members[0], anchor)
 
 
 def test_region_payload_layout():
     anchor, members, _ = _region()
-    p = region_payload(RoundRule(strategy="fedavg", split=SPLIT), members[0], anchor)
+    p = region_payload(RoundRule.of(SPLIT, strategy="fedavg"), members[0], anchor)
     assert len(p) == 4 and all(torch.equal(a, b) for a, b in zip(p, members[0]))
-    p = region_payload(RoundRule(strategy="fedper", split=SPLIT), members[0], anchor)
+    p = region_payload(RoundRule.of(SPLIT, strategy="fedper"), members[0], anchor)
     assert len(p) == 2  # B only: fedper never sends K
-    p = region_payload(RoundRule(strategy="worldlm", split=SPLIT), members[0], anchor)
+    p = region_payload(RoundRule.of(SPLIT, strategy="worldlm"), members[0], anchor)
     assert len(p) == 2 + 2 + 1  # B, u_l K_l per key layer, u
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "hierfavg"])
 def test_region_round_whole_model_mean(strategy):
     anchor, members, tokens = _region(seed=1)
-    out, mom = region_round(RoundRule(strategy=strategy, split=SPLIT), members, tokens, anchor=anchor, momentum=None)
+    out, mom = region_round(RoundRule.of(SPLIT, strategy=strategy), members, tokens, anchor=anchor, momentum=None)
     mean = weighted_mean(members, tokens)
     assert mom is None and len(out) == 3
     for o in out:
@@ -100,7 +101,7 @@ def test_region_round_whole_model_mean(strategy):
 
 def test_region_round_hand_computed_fedavg():
     # two members, tokens 1 and 3: (1 x + 3 y) / 4
-    rule = RoundRule(strategy="fedavg", split=SPLIT)
+    rule = RoundRule.of(SPLIT, strategy="fedavg")
     x = [T([0.0, 0.0, 4.0]), torch.zeros(2, 2), T([1.0, 1.0]), torch.zeros(2, 3)]
     y = [T([4.0, 8.0, 0.0]), torch.ones(2, 2), T([1.0, 5.0]), torch.full((2, 3), 2.0)]
     out, _ = region_round(rule, [x, y], [1, 3], anchor=x, momentum=None)
@@ -109,7 +110,7 @@ def test_region_round_hand_computed_fedavg():
 
 def test_region_round_fedper_keeps_each_members_key():
     anchor, members, tokens = _region(seed=2)
-    out, _ = region_round(RoundRule(strategy="fedper", split=SPLIT), members, tokens, anchor=anchor, momentum=None)
+    out, _ = region_round(RoundRule.of(SPLIT, strategy="fedper"), members, tokens, anchor=anchor, momentum=None)
     b_mean = weighted_mean([SPLIT.take_backbone(m) for m in members], tokens)
     for o, m in zip(out, members):
         _close(SPLIT.take_backbone(o), b_mean)
@@ -121,15 +122,22 @@ def test_region_round_fedper_keeps_each_members_key():
                                             ("distance", 0.5, 0.5), ("mean", 1.0, 1.0)])
 def test_region_round_worldlm(form, tau, eps):
     anchor, members, tokens = _region(seed=3, scale=0.3)
-    rule = RoundRule(strategy="worldlm", split=SPLIT, attention=form, tau=tau, eps=eps)
+    rule = RoundRule.of(SPLIT, strategy="worldlm", attention=form, tau=tau, eps=eps, mix="none")
     out, mom = region_round(rule, members, tokens, anchor=anchor, momentum=None)
     b_mean = weighted_mean([SPLIT.take_backbone(m) for m in members], tokens)
     k_att = attention.attentive_aggregate([SPLIT.take_key(m) for m in members], SPLIT.take_key(anchor), tokens,
                                           form=form, tau=tau, eps=eps)
     assert mom is None
-    for o in out:
+    for o in out:  # mix "none" (the paper's): every member adopts the agreed model
         _close(SPLIT.take_backbone(o), b_mean)
         _close(SPLIT.take_key(o), k_att, atol=1e-5)
+    # the shipped mix ("evidence") agrees on the same model; members without a tune slice keep their own
+    shipped = RoundRule.of(SPLIT, attention=form, tau=tau, eps=eps)
+    kept, _, agreed = region_round_with_anchor(shipped, members, tokens, anchor=anchor, momentum=None)
+    _close(SPLIT.take_backbone(agreed), b_mean)
+    _close(SPLIT.take_key(agreed), k_att, atol=1e-5)
+    for k, m in zip(kept, members):
+        _close(k, m, atol=0)
     # the attention matters here: K is not the plain token-weighted mean (except for the mean form)
     k_mean = weighted_mean([SPLIT.take_key(m) for m in members], tokens)
     assert (form == "mean") == all(torch.allclose(a, b, atol=1e-5) for a, b in zip(k_att, k_mean))
@@ -137,7 +145,7 @@ def test_region_round_worldlm(form, tau, eps):
 
 @pytest.mark.parametrize("strategy", ["worldlm", "hierfavg", "fedper"])
 def test_region_round_nesterov_outer(strategy):
-    rule = RoundRule(strategy=strategy, split=SPLIT, outer="nesterov", outer_lr=0.7, outer_momentum=0.9)
+    rule = RoundRule.of(SPLIT, strategy=strategy, outer="nesterov", outer_lr=0.7, outer_momentum=0.9, mix="none")
     anchor, members, tokens = _region(seed=4)
     g = torch.Generator().manual_seed(40)
     ref_b, ref_m = rule.backbone(anchor), None
@@ -157,7 +165,7 @@ def test_region_round_nesterov_outer(strategy):
 
 def test_region_apply_rejects_short_payload():
     anchor, members, _ = _region()
-    rule = RoundRule(strategy="worldlm", split=SPLIT)
+    rule = RoundRule.of(SPLIT, strategy="worldlm")
     with pytest.raises(ValueError):
         region_apply(rule, [torch.zeros(3)], params=members[0], anchor=anchor, momentum=None)
 
@@ -175,7 +183,7 @@ def _regions(seed=5, scale=0.3):
 
 def test_world_round_hierfavg_is_the_token_weighted_mean():
     regions, tokens = _regions()
-    res = world_round(RoundRule(strategy="hierfavg", split=SPLIT), regions, tokens)
+    res = world_round(RoundRule.of(SPLIT, strategy="hierfavg"), regions, tokens)
     mean = weighted_mean([regions[r] for r in ("eu", "na", "asia")], [tokens[r] for r in ("eu", "na", "asia")])
     assert set(res.models) == set(regions) and res.weights == {} and res.fetched == {}
     for m in res.models.values():
@@ -184,7 +192,7 @@ def test_world_round_hierfavg_is_the_token_weighted_mean():
 
 def test_world_round_worldlm_without_residual():
     regions, tokens = _regions()
-    res = world_round(RoundRule(strategy="worldlm", split=SPLIT, residual=False), regions, tokens)
+    res = world_round(RoundRule.of(SPLIT, strategy="worldlm", residual=False), regions, tokens)
     b_mean = weighted_mean([SPLIT.take_backbone(regions[r]) for r in regions], [tokens[r] for r in regions])
     for r, m in res.models.items():
         _close(SPLIT.take_backbone(m), b_mean)
@@ -202,7 +210,7 @@ def test_world_round_worldlm_residual_hand_computed():
     #   -> K_eu' = [1.2, 3], K_na' = [2.8, 3]
     eu = [T([1.0, 2.0, 3.0]), T([[4.0, 0.0], [0.0, 0.0]]), T([1.0, 3.0]), torch.zeros(2, 3)]
     na = [T([3.0, 2.0, 1.0]), T([[0.0, 2.0], [0.0, 0.0]]), T([3.0, 3.0]), torch.ones(2, 3)]
-    rule = RoundRule(strategy="worldlm", split=SPLIT, residual=True, residual_dim=16, residual_tau=1 / LN2,
+    rule = RoundRule.of(SPLIT, strategy="worldlm", residual=True, residual_dim=16, residual_tau=1 / LN2,
                      residual_beta=0.5)
     res = world_round(rule, {"eu": eu, "na": na}, {"eu": 10.0, "na": 10.0})
     b_world = [T([2.0, 2.0, 2.0]), torch.full((2, 3), 0.5)]
@@ -217,7 +225,7 @@ def test_world_round_worldlm_residual_hand_computed():
     # a small residual_tau: the opposite region weighs 1 / (1 + e^(2/0.1)) < FETCH_MIN_WEIGHT, so it is
     # not fetched and K stays the region's own
     assert 1 / (1 + math.exp(20)) < FETCH_MIN_WEIGHT
-    rule = RoundRule(strategy="worldlm", split=SPLIT, residual=True, residual_dim=16, residual_tau=0.1)
+    rule = RoundRule.of(SPLIT, strategy="worldlm", residual=True, residual_dim=16, residual_tau=0.1)
     res = world_round(rule, {"eu": eu, "na": na}, {"eu": 10.0, "na": 10.0})
     assert res.fetched == {"eu": [], "na": []}
     _close(SPLIT.take_key(res.models["eu"]), SPLIT.take_key(eu))
@@ -227,7 +235,7 @@ def test_world_round_worldlm_residual_hand_computed():
 def test_world_round_worldlm_residual_matches_the_formula():
     regions, tokens = _regions(seed=6)
     names = sorted(regions)
-    rule = RoundRule(strategy="worldlm", split=SPLIT, residual=True, residual_dim=8, residual_tau=2.0,
+    rule = RoundRule.of(SPLIT, strategy="worldlm", residual=True, residual_dim=8, residual_tau=2.0,
                      residual_beta=0.7, seed=3)
     out = world_round(rule, regions, tokens)
     # independent reference: K_world = token-weighted mean of K; r_R = K_R - K_world; embeddings are
@@ -254,7 +262,7 @@ def test_world_round_worldlm_residual_matches_the_formula():
 def test_world_round_single_region_is_unchanged_for_worldlm():
     regions, tokens = _regions()
     one = {"eu": regions["eu"]}
-    res = world_round(RoundRule(strategy="worldlm", split=SPLIT), one, {"eu": tokens["eu"]})
+    res = world_round(RoundRule.of(SPLIT, strategy="worldlm"), one, {"eu": tokens["eu"]})
     _close(res.models["eu"], regions["eu"])
 
 
@@ -263,8 +271,8 @@ def test_region_round_worldlm_personal_mix(scope):
     from worldlm_p2p.rounds import region_round_with_anchor
 
     anchor, members, tokens = _region(seed=7, scale=0.3)
-    rule = RoundRule(strategy="worldlm", split=SPLIT, mix="cosine", personal_tau=0.3, personal_scope=scope)
-    plain = RoundRule(strategy="worldlm", split=SPLIT)
+    rule = RoundRule.of(SPLIT, strategy="worldlm", mix="cosine", personal_tau=0.3, personal_scope=scope)
+    plain = RoundRule.of(SPLIT, strategy="worldlm", mix="none")
     out, _, agreed = region_round_with_anchor(rule, members, tokens, anchor=anchor, momentum=None)
     ref_out, _ = region_round(plain, members, tokens, anchor=anchor, momentum=None)
     # the region's agreed model is the plain worldlm round's result, whatever the members keep
@@ -378,7 +386,7 @@ def test_a_group_of_one_is_the_identity(strategy):
     """A group of one member has nothing to average (a swarm peer alone in its region holds no
     round): its model is the agreed model bit for bit, the momentum unchanged, whatever the outer
     optimizer and the attention step."""
-    rule = RoundRule(strategy=strategy, split=SPLIT, outer="nesterov", outer_lr=0.7, eps=0.5, mix="evidence")
+    rule = RoundRule.of(SPLIT, strategy=strategy, outer="nesterov", outer_lr=0.7, eps=0.5, mix="evidence")
     anchor, members, _ = _region(seed=5)
     momentum = [torch.full_like(t, 0.25) for t in rule.backbone(anchor)]
     choices: list = []
@@ -405,7 +413,7 @@ def test_world_grid_and_the_largest_world_step() -> None:
         return float((params[0] - 1).pow(2).sum())
 
     for max_step, expected in ((0.25, 0.25), (1.0, 1.0)):
-        rule = RoundRule(strategy="worldlm", split=SPLIT, mix="evidence", mix_world_max=max_step)
+        rule = RoundRule.of(SPLIT, strategy="worldlm", mix="evidence", mix_world_max=max_step)
         out, choice = member_world_mix(rule, own=own, change=change, loss_of=loss_of)
         assert choice.lam == expected
         assert torch.allclose(out[0], torch.full((3,), expected))
@@ -416,7 +424,7 @@ def test_world_round_attention_two_regions_hand_computed():
     # theta_eu <- theta_eu + beta (theta_na - theta_eu); beta 0.5 -> the midpoint, B and K alike
     eu = [T([1.0, 2.0, 3.0]), T([[4.0, 0.0], [0.0, 0.0]]), T([1.0, 3.0]), torch.zeros(2, 3)]
     na = [T([3.0, 2.0, 1.0]), T([[0.0, 2.0], [0.0, 0.0]]), T([3.0, 3.0]), torch.ones(2, 3)]
-    rule = RoundRule(strategy="worldlm", split=SPLIT, residual_dim=16, residual_beta=0.5, world_target="attention")
+    rule = RoundRule.of(SPLIT, strategy="worldlm", residual_dim=16, residual_beta=0.5, world_target="attention")
     assert rule.world_attention
     res = world_round(rule, {"eu": eu, "na": na}, {"eu": 30.0, "na": 10.0})
     mid = [(a + b) / 2 for a, b in zip(eu, na)]
@@ -425,13 +433,13 @@ def test_world_round_attention_two_regions_hand_computed():
     assert res.weights == {"eu": {"na": [1.0]}, "na": {"eu": [1.0]}} and res.fetched == {"eu": ["na"], "na": ["eu"]}
     # the world mean is still the token-weighted mean (the reference of border deltas)
     _close(res.world, [(3 * a + b) / 4 for a, b in zip(eu, na)])
-    rule = RoundRule(strategy="worldlm", split=SPLIT, residual_dim=16, residual_beta=0.2, world_target="attention")
+    rule = RoundRule.of(SPLIT, strategy="worldlm", residual_dim=16, residual_beta=0.2, world_target="attention")
     res = world_round(rule, {"eu": eu, "na": na}, {"eu": 30.0, "na": 10.0})
     _close(res.models["eu"], [a + 0.2 * (b - a) for a, b in zip(eu, na)])
     # without residuals the target is ignored: the world's mean backbone, as with "mean"
-    off = RoundRule(strategy="worldlm", split=SPLIT, residual=False, world_target="attention")
+    off = RoundRule.of(SPLIT, strategy="worldlm", residual=False, world_target="attention")
     assert not off.world_attention
-    mean = world_round(RoundRule(strategy="worldlm", split=SPLIT, residual=False), {"eu": eu, "na": na},
+    mean = world_round(RoundRule.of(SPLIT, strategy="worldlm", residual=False), {"eu": eu, "na": na},
                        {"eu": 30.0, "na": 10.0})
     out = world_round(off, {"eu": eu, "na": na}, {"eu": 30.0, "na": 10.0})
     for r in ("eu", "na"):
@@ -441,7 +449,7 @@ def test_world_round_attention_two_regions_hand_computed():
 def test_world_round_attention_matches_the_formula():
     regions, tokens = _regions(seed=8)
     names = sorted(regions)
-    rule = RoundRule(strategy="worldlm", split=SPLIT, residual_dim=8, residual_tau=0.7, residual_beta=0.6, seed=2,
+    rule = RoundRule.of(SPLIT, strategy="worldlm", residual_dim=8, residual_tau=0.7, residual_beta=0.6, seed=2,
                      world_target="attention")
     out = world_round(rule, regions, tokens)
     # independent reference: theta_world = token-weighted mean of every tensor; sketches of
@@ -471,7 +479,7 @@ def test_world_round_attention_uses_what_was_sent():
     rule_mean, ref, models = _rule_and_models()
     from worldlm_p2p.rounds import border_release
 
-    rule = RoundRule(strategy="worldlm", split=rule_mean.split, residual_beta=1.0, world_target="attention")
+    rule = RoundRule.of(rule_mean.split, strategy="worldlm", residual_beta=1.0, world_target="attention")
     tokens = {"eu": 3.0, "na": 1.0}
     sent = {r: border_release(rule, models[r], ref, clip=0.1, noise_multiplier=0.5,
                               generator=torch.Generator().manual_seed(i))[0] for i, r in enumerate(sorted(models))}
@@ -488,10 +496,10 @@ def test_world_attention_publishes_one_sketch_of_the_whole_residual():
 
     g = torch.Generator().manual_seed(5)
     res = _model(g)
-    rule = RoundRule(strategy="worldlm", split=SPLIT, residual_dim=16, world_target="attention")
+    rule = RoundRule.of(SPLIT, strategy="worldlm", residual_dim=16, world_target="attention")
     e = embed(rule, res)
     assert e.shape == (1, 16)
     assert torch.allclose(e[0], residual.residual_embedding(res, dim=16, seed=0).sum(dim=0), atol=1e-6)
     twice = embed(rule, [2 * t for t in res])
     assert torch.allclose(twice, 2 * e, atol=1e-5)
-    assert embed(RoundRule(strategy="worldlm", split=SPLIT, residual_dim=16), SPLIT.take_key(res)).shape == (2, 16)
+    assert embed(RoundRule.of(SPLIT, strategy="worldlm", residual_dim=16), SPLIT.take_key(res)).shape == (2, 16)

@@ -339,7 +339,7 @@ def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, st
     elif rule.world_attention:  # two regions: each moves beta of the way to what the other sent
         for r, g in (("eu", "na"), ("na", "eu")):
             other = sent.get(g, anchors[g])
-            want = [a + rule.residual_beta * (o - a) for a, o in zip(anchors[r], other)]
+            want = [a + rule.config.residual_beta * (o - a) for a, o in zip(anchors[r], other)]
             assert max_abs_diff(result.models[r], want) < 1e-5
     else:  # worldlm: a common backbone, each region's own key layers
         # (the regions' agreed models; members hold personal mixes of them)

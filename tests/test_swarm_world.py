@@ -100,7 +100,7 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
             assert max_abs_diff(split.take_key(te["model"]), split.take_key(tn["model"])) > 1e-4
         else:  # each region moves residual_beta of the way to what the other sent (its only partner)
             for t, o in ((te, tn), (tn, te)):
-                want = [s + rule.residual_beta * (x - s) for s, x in zip(t["snapshot"], o["sent"])]
+                want = [s + rule.config.residual_beta * (x - s) for s, x in zip(t["snapshot"], o["sent"])]
                 assert max_abs_diff(t["model"], want) < 1e-4
         # what each leader sent is its region's snapshot with the backbone change since the last world
         # model clipped to its own policy's C and noised with sigma*C (recomputed from the noise seed

@@ -10,7 +10,8 @@ import torch
 
 from worldlm_p2p.config import MODEL_PRESETS, ModelConfig, TrainConfig
 from worldlm_p2p.errors import CheckpointError, DataError
-from worldlm_p2p.train.data import TextSplits, TokenData, demo_data_dir, load_texts, tokenize_splits
+from worldlm_p2p.train.corpus import demo_data_dir
+from worldlm_p2p.train.data import TextSplits, TokenData, load_texts, tokenize_splits
 from worldlm_p2p.train.model import build_model
 from worldlm_p2p.train.tokenizer import ByteTokenizer
 from worldlm_p2p.train.trainer import LocalTrainer, bits_per_byte, get_flat_params, lr_at, set_params

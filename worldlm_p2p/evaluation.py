@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from worldlm_p2p.errors import ConfigError, DataError
-from worldlm_p2p.train.data import eval_batches, list_corpus, load_texts
+from worldlm_p2p.train.corpus import list_corpus
+from worldlm_p2p.train.data import eval_batches, load_texts
 from worldlm_p2p.train.model import autocast_context, resolve_device
 
 logger = logging.getLogger(__name__)

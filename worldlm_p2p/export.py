@@ -40,6 +40,7 @@ import torch
 from worldlm_p2p import __version__
 from worldlm_p2p.checkpoint import LoadedCheckpoint, fsync_dir, load_latest_checkpoint, read_checkpoint
 from worldlm_p2p.config import RunManifest
+from worldlm_p2p.codec import PeerCheckpoint, StateError
 from worldlm_p2p.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,6 @@ __all__ = ["WHICH", "EXPORT_INFO", "ExportConfig", "ExportResult", "find_checkpo
 WHICH = ("region", "peer")
 #: Name of the provenance file written next to the model.
 EXPORT_INFO = "worldlm_export.json"
-_REQUIRED = ("fingerprint", "region", "model", "anchor", "stats")
 _MARKERS = ("config.json", EXPORT_INFO)  # an existing --out must hold one of these to be replaced
 
 
@@ -129,15 +129,11 @@ def find_checkpoint(config: ExportConfig) -> LoadedCheckpoint:
     return loaded
 
 
-def _check_payload(loaded: LoadedCheckpoint) -> dict[str, Any]:
-    p = loaded.payload
-    missing = [k for k in _REQUIRED if k not in p]
-    if missing:
-        raise CheckpointError(f"checkpoint {loaded.path} is not a peer checkpoint (no {', '.join(missing)})")
-    if not isinstance(p["model"], dict) or not isinstance(p["anchor"], (list, tuple)) or not isinstance(
-            p["stats"], dict):
-        raise CheckpointError(f"checkpoint {loaded.path} is not a peer checkpoint (unexpected payload types)")
-    return p
+def _check_payload(loaded: LoadedCheckpoint) -> PeerCheckpoint:
+    try:
+        return PeerCheckpoint.from_payload(loaded.payload)
+    except StateError as e:
+        raise CheckpointError(f"checkpoint {loaded.path} {e}") from None
 
 
 def checkpoint_manifest(loaded: LoadedCheckpoint, *, run_config: str | None = None) -> RunManifest:
@@ -145,11 +141,11 @@ def checkpoint_manifest(loaded: LoadedCheckpoint, *, run_config: str | None = No
     ``run_config``, whose fingerprint must equal the checkpoint's. A given ``run_config`` must
     match a stored manifest too."""
     p = _check_payload(loaded)
-    fingerprint = p["fingerprint"]
+    fingerprint = p.fingerprint
     manifest = None
-    if p.get("manifest") is not None:
+    if p.manifest is not None:
         try:
-            manifest = RunManifest.from_dict(p["manifest"])
+            manifest = RunManifest.from_dict(p.manifest)
         except ConfigError as e:
             raise CheckpointError(f"checkpoint {loaded.path} holds an invalid run manifest: {e}") from None
         if manifest.fingerprint() != fingerprint:
@@ -171,6 +167,7 @@ def checkpoint_model(loaded: LoadedCheckpoint, manifest: RunManifest, *, which: 
     """``(model, tokenizer)``: the ``transformers`` model (CPU, eval mode) holding the ``which``
     model of the checkpoint, with the token ids of ``tokenizer`` in its config, and the run's
     tokenizer (:func:`~worldlm_p2p.train.tokenizer.load_tokenizer`)."""
+    from worldlm_p2p.strategies import strategy as strategy_of
     from worldlm_p2p.train.model import build_model
     from worldlm_p2p.train.tokenizer import load_tokenizer
     from worldlm_p2p.train.trainer import set_params
@@ -178,16 +175,16 @@ def checkpoint_model(loaded: LoadedCheckpoint, manifest: RunManifest, *, which: 
     if which not in WHICH:
         raise ConfigError(f"--which: {which!r} is not one of {', '.join(WHICH)}")
     p = _check_payload(loaded)
-    strategy = manifest.aggregation.strategy
-    if which == "region" and strategy == "local":
-        raise ConfigError(f"checkpoint {loaded.path} comes from a run with strategy 'local', which has no region "
-                          "model: export the peer's own model with --which peer")
+    strategy = strategy_of(manifest.aggregation.strategy)
+    if which == "region" and not strategy.averages:
+        raise ConfigError(f"checkpoint {loaded.path} comes from a run with strategy '{strategy.name}', which has no "
+                          "region model: export the peer's own model with --which peer")
     tokenizer = load_tokenizer(manifest.tokenizer)
     model = build_model(manifest.model, vocab_size=tokenizer.vocab_size, seed=manifest.train.seed)
     try:
-        model.load_state_dict(p["model"])
+        model.load_state_dict(p.model)
         if which == "region":
-            set_params(model, p["anchor"])
+            set_params(model, p.anchor)
     except (RuntimeError, ValueError, TypeError) as e:
         reason = " ".join(str(e).split())[:200] or type(e).__name__
         raise CheckpointError(f"checkpoint {loaded.path} does not fit the model of its manifest: {reason}") from None
@@ -342,7 +339,8 @@ def export_model(config: ExportConfig) -> ExportResult:
     _check_out(out, force=config.force, source=loaded.path)  # before the slow part, and again below
     manifest = checkpoint_manifest(loaded, run_config=config.run_config)
     model, tokenizer = checkpoint_model(loaded, manifest, which=config.which)
-    p, stats = loaded.payload, loaded.payload["stats"]
+    p = _check_payload(loaded)
+    stats = p.stats
     names = [n for n, _ in model.named_parameters()]
     try:
         key_names = list(split_parameters(names, manifest.aggregation.key_layers).key_names)
@@ -350,7 +348,7 @@ def export_model(config: ExportConfig) -> ExportResult:
         key_names = []
     info: dict[str, Any] = dict(
         format=1, worldlm_version=__version__, which=config.which, run_id=manifest.run_id,
-        fingerprint=manifest.fingerprint(), region=p["region"], label=p.get("label"), peer_id=p.get("peer_id"),
+        fingerprint=manifest.fingerprint(), region=p.region, label=p.label, peer_id=p.peer_id,
         strategy=manifest.aggregation.strategy, step=int(stats.get("step", loaded.step)),
         tokens=int(stats.get("tokens", 0)), rounds_completed=stats.get("rounds_completed"),
         world_round=stats.get("world_round"), model_preset=manifest.model.preset,

@@ -11,17 +11,10 @@ tests). A round is three steps:
    model towards the agreed one as far as its tune slice supports (and :func:`member_world_mix`
    takes a world round's change the same way).
 
-Per strategy (``shared/design/worldlm.md`` section 5):
-
-============  ==============================  ===============================  =========================
-strategy      backbone B                      key layers K                     group
-============  ==============================  ===============================  =========================
-worldlm       token-weighted mean + outer     attentive (:mod:`.attention`)    region
-fedavg        the whole model, mean + outer   (part of B)                      world (every peer)
-hierfavg      the whole model, mean + outer   (part of B)                      region; world via leaders
-fedper        mean + outer                    never aggregated (per peer)      world
-local         -                               -                                none
-============  ==============================  ===============================  =========================
+What each strategy averages, where, and what crosses borders is a
+:class:`~worldlm_p2p.strategies.Strategy` (the table is in :mod:`worldlm_p2p.strategies`); the
+functions below ask it, never a strategy's name. The settings are the run's
+:class:`~worldlm_p2p.config.AggregationConfig`, held by :class:`RoundRule`.
 
 World rounds (``worldlm`` and ``hierfavg``, every ``world_every`` region rounds, leaders only):
 :func:`world_payload` / :func:`world_apply` (the leaders' all-reduce of B, and K for the world
@@ -39,8 +32,11 @@ import torch
 
 from worldlm_p2p import attention, mixing, privacy, residual
 from worldlm_p2p.aggregation import weighted_mean
+from worldlm_p2p.config import AggregationConfig
 from worldlm_p2p.outer_optim import outer_update
 from worldlm_p2p.split import ParamSplit
+from worldlm_p2p.strategies import Strategy
+from worldlm_p2p.strategies import strategy as strategy_of
 
 FETCH_MIN_WEIGHT = 1e-3  # a leader fetches another region's full residual only above this weight
 EVIDENCE_GRID = mixing.DEFAULT_GRID  # the mixing weights a member tries on its tune slice
@@ -66,69 +62,63 @@ LossOf = Callable[[list[torch.Tensor]], "mixing.Loss"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RoundRule:
-    """The part of :class:`~worldlm_p2p.config.AggregationConfig` a round needs, plus the split."""
+    """What a round needs: the run's aggregation settings (their one definition,
+    :class:`~worldlm_p2p.config.AggregationConfig`, with its defaults: the ones that ship), the split
+    of the model's parameters into B and K, and the seed of the residual sketches."""
 
-    strategy: str
+    config: AggregationConfig
     split: ParamSplit
-    attention: str = "distance"
-    tau: float = 0.1
-    eps: float = 1.0
-    outer: str = "sgd"
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.9
-    residual: bool = True
-    residual_dim: int = 256
-    residual_tau: float = 0.1
-    residual_beta: float = 0.5
-    mix: str = "none"  # worldlm: what a member keeps: "evidence" (mixing), "cosine" (personal mix), "none"
-    mix_world: bool = True  # evidence: a member takes a world change only as far as its evidence supports
-    mix_world_max: float = 0.25  # evidence: the largest fraction of a world change tried per round
-    mix_z: float = 0.0  # evidence: a mix is taken only when its paired per-window gain exceeds z standard errors
-    personal_tau: float = 0.0  # the temperature of mix = "cosine" (attention.personalize)
-    personal_scope: str = "all"  # what the cosine mix covers: "key" (K) or "all" (B and K)
-    world_target: str = "mean"  # worldlm: where a world round moves a region: "mean" or "attention"
     seed: int = 0
 
     @classmethod
-    def from_config(cls, agg, split: ParamSplit, *, seed: int) -> "RoundRule":
-        return cls(strategy=agg.strategy, split=split, attention=agg.attention, tau=agg.tau, eps=agg.eps,
-                   outer=agg.outer, outer_lr=agg.outer_lr, outer_momentum=agg.outer_momentum,
-                   residual=agg.residual, residual_dim=agg.residual_dim, residual_tau=agg.residual_tau,
-                   residual_beta=agg.residual_beta, mix=agg.mix, mix_world=agg.mix_world,
-                   mix_world_max=agg.mix_world_max, personal_tau=agg.personal_tau, personal_scope=agg.personal_scope,
-                   world_target=agg.world_target, mix_z=agg.mix_z, seed=seed)
+    def of(cls, split: ParamSplit, *, seed: int = 0, **settings) -> "RoundRule":
+        """A rule of the shipped defaults with ``settings`` (fields of :class:`AggregationConfig`) changed."""
+        return cls(config=AggregationConfig(**settings), split=split, seed=seed)
+
+    @classmethod
+    def from_config(cls, agg: AggregationConfig, split: ParamSplit, *, seed: int) -> "RoundRule":
+        return cls(config=agg, split=split, seed=seed)
+
+    @property
+    def strategy(self) -> Strategy:
+        return strategy_of(self.config.strategy)
 
     @property
     def localises(self) -> bool:
         """True when K is handled apart from B."""
-        return self.strategy in ("worldlm", "fedper")
+        return self.strategy.localises
 
     @property
     def evidence(self) -> bool:
         """True when members mix by evidence on a tune slice (:mod:`worldlm_p2p.mixing`)."""
-        return self.strategy == "worldlm" and self.mix == "evidence"
+        return self.strategy.mixes and self.config.mix == "evidence"
 
     @property
     def windowed(self) -> bool:
         """True when the evidence is per-window losses (``mix_z > 0``: the significance test);
         a member's loss function is then the trainer's ``tune_losses``, otherwise ``tune_loss``."""
-        return self.evidence and self.mix_z > 0
+        return self.evidence and self.config.mix_z > 0
 
     @property
     def world_group(self) -> bool:
         """True when region rounds span every peer of the run (one world group)."""
-        return self.strategy in ("fedavg", "fedper")
+        return self.strategy.world_group
 
     @property
     def has_world_rounds(self) -> bool:
-        return self.strategy in ("worldlm", "hierfavg")
+        return self.strategy.has_world_rounds
+
+    @property
+    def residual_exchange(self) -> bool:
+        """True when world rounds exchange residual embeddings (the strategy's and ``residual`` on)."""
+        return self.strategy.residual_exchange and self.config.residual
 
     @property
     def world_attention(self) -> bool:
         """True when a world round moves each region towards the regions whose residual sketches are
         most like its own (:func:`worldlm_p2p.residual.region_attention`), over the whole model,
         instead of adopting the world's mean backbone and exchanging only K's residuals."""
-        return self.strategy == "worldlm" and self.residual and self.world_target == "attention"
+        return self.residual_exchange and self.config.world_target == "attention"
 
     def residual_part(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors whose residual a world round exchanges: K, or the whole model with
@@ -144,12 +134,12 @@ class RoundRule:
 
 def region_payload(rule: RoundRule, params: Sequence[torch.Tensor], anchor: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """A member's all-reduce payload: B (or the whole model), then the encoded K for ``worldlm``."""
-    if rule.strategy == "local":
-        raise ValueError("strategy local never averages")
+    if not rule.strategy.averages:
+        raise ValueError(f"strategy {rule.strategy.name} never averages")
     out = [p.detach().to(torch.float32) for p in rule.backbone(params)]
-    if rule.strategy == "worldlm":
+    if rule.strategy.attentive:
         out += attention.encode_key_layers(rule.split.take_key(params), rule.split.take_key(anchor),
-                                           form=rule.attention, tau=rule.tau)
+                                           form=rule.config.attention, tau=rule.config.tau)
     return out
 
 
@@ -165,24 +155,24 @@ def region_step(rule: RoundRule, averaged: Sequence[torch.Tensor], *, params: Se
     n_b = len(rule.backbone(anchor))
     if len(averaged) < n_b:
         raise ValueError(f"averaged payload has {len(averaged)} tensors, fewer than the {n_b} of the backbone")
-    new_b, new_m = outer_update(rule.backbone(anchor), averaged[:n_b], momentum, kind=rule.outer,
-                                lr=rule.outer_lr, mu=rule.outer_momentum)
+    new_b, new_m = outer_update(rule.backbone(anchor), averaged[:n_b], momentum, kind=rule.config.outer,
+                                lr=rule.config.outer_lr, mu=rule.config.outer_momentum)
     new_b = [b.to(a.dtype) for b, a in zip(new_b, rule.backbone(anchor))]
     if not rule.localises:
         return new_b, [t.clone() for t in new_b], new_m
-    if rule.strategy == "fedper":
+    if rule.strategy.personal_key:
         model = rule.split.merge(new_b, [p.detach().clone() for p in rule.split.take_key(params)])
         return model, [t.clone() for t in model], new_m
-    agreed_k = attention.decode_key_layers(averaged[n_b:], rule.split.take_key(anchor), eps=rule.eps)
+    agreed_k = attention.decode_key_layers(averaged[n_b:], rule.split.take_key(anchor), eps=rule.config.eps)
     agreed = rule.split.merge(new_b, agreed_k)
-    if rule.mix == "evidence":
+    if rule.evidence:
         return [p.detach().clone() for p in params], agreed, new_m
-    if rule.mix != "cosine":
+    if rule.config.mix != "cosine":
         return [t.clone() for t in agreed], agreed, new_m
     own_k = attention.personalize(rule.split.take_key(params), rule.split.take_key(anchor), agreed_k,
-                                  tau=rule.personal_tau)
-    own_b = new_b if rule.personal_scope == "key" else attention.personalize(
-        rule.split.take_backbone(params), rule.split.take_backbone(anchor), new_b, tau=rule.personal_tau)
+                                  tau=rule.config.personal_tau)
+    own_b = new_b if rule.config.personal_scope == "key" else attention.personalize(
+        rule.split.take_backbone(params), rule.split.take_backbone(anchor), new_b, tau=rule.config.personal_tau)
     return rule.split.merge(own_b, own_k), agreed, new_m
 
 
@@ -203,10 +193,10 @@ def member_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], agreed: Sequence
     (``loss_of`` None) has no evidence and keeps its own model. ``own_loss``: the slice loss of
     ``own`` when already known."""
     if not rule.evidence:
-        raise ValueError(f"member_mix is the evidence rule; this rule mixes by {rule.mix!r}")
+        raise ValueError(f"member_mix is the evidence rule; this rule mixes by {rule.config.mix!r}")
     if loss_of is None:
         return [t.detach().clone() for t in own], None
-    return mixing.mix_toward(own, agreed, loss_of, grid=EVIDENCE_GRID, own_loss=own_loss, z=rule.mix_z)
+    return mixing.mix_toward(own, agreed, loss_of, grid=EVIDENCE_GRID, own_loss=own_loss, z=rule.config.mix_z)
 
 
 def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Sequence[torch.Tensor],
@@ -216,13 +206,13 @@ def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Se
     (the region's agreed model always takes the whole change). With ``mix="evidence"`` and
     ``mix_world`` the member adds ``lam * change``, ``lam`` from its tune slice (no slice: 0);
     otherwise the whole change (rebasing: the local progress made meanwhile is kept). The evidence
-    search tries at most ``rule.mix_world_max`` of the change (:func:`world_grid`; by default a
+    search tries at most ``mix_world_max`` of the change (:func:`world_grid`; by default a
     quarter, :data:`WORLD_GRID`)."""
-    if rule.evidence and rule.mix_world:
+    if rule.evidence and rule.config.mix_world:
         if loss_of is None:
             return [t.detach().clone() for t in own], None
-        return mixing.mix_change(own, change, loss_of, grid=world_grid(rule.mix_world_max), own_loss=own_loss,
-                                 z=rule.mix_z)
+        return mixing.mix_change(own, change, loss_of, grid=world_grid(rule.config.mix_world_max), own_loss=own_loss,
+                                 z=rule.config.mix_z)
     return [t + d.to(t.dtype) for t, d in zip(own, change)], None
 
 
@@ -248,7 +238,7 @@ def region_round_with_anchor(rule: RoundRule, members: Sequence[Sequence[torch.T
     member's :class:`~worldlm_p2p.mixing.MixChoice` is appended to ``choices`` when given.
 
     A group of one member has nothing to average, as a swarm peer alone in its region holds no
-    region round (:meth:`worldlm_p2p.peer.Peer._region_of_one`): its model is the group's agreed
+    region round (:meth:`worldlm_p2p.peer.core.Peer._region_of_one`): its model is the group's agreed
     model, bit for bit, the outer momentum stays as it was, and there is no mixing choice (None)."""
     if len(members) == 1:
         own = [t.detach().clone() for t in members[0]]
@@ -280,8 +270,9 @@ def flat_round_with_border_dp(rule: RoundRule, regions: Mapping[str, tuple[Seque
     ``regions``: region -> (its members' models, their weights). Returns (region -> members' next
     models, momentum, agreed model, region -> mechanism record). With ``clip`` large and no noise
     it equals :func:`region_round_with_anchor` on all members."""
-    if rule.strategy != "fedavg":
-        raise ValueError(f"flat_round_with_border_dp is fedavg's round, not {rule.strategy}'s")
+    if rule.strategy.border_dp != "flat" or not rule.world_group:
+        raise ValueError(f"flat_round_with_border_dp is the flat world group's round (fedavg's), not "
+                         f"{rule.strategy.name}'s")
     names = sorted(regions)
     sent, weights, records = [], [], {}
     for r in names:
@@ -315,7 +306,7 @@ def world_payload(rule: RoundRule, region_params: Sequence[torch.Tensor]) -> lis
 def border_shared(rule: RoundRule) -> tuple[int, ...]:
     """Indices of the parameters whose change a region shares at the border in a world round: the
     backbone B (``hierfavg``: the whole model, which it averages across regions)."""
-    return tuple(range(len(rule.split.names))) if rule.strategy == "hierfavg" else rule.split.backbone
+    return tuple(range(len(rule.split.names))) if rule.strategy.world == "mean" else rule.split.backbone
 
 
 def border_release(rule: RoundRule, region_params: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], *,
@@ -343,7 +334,7 @@ def world_backbone(rule: RoundRule, averaged: Sequence[torch.Tensor], region_par
     until :func:`residual_update`. With :attr:`RoundRule.world_attention` the region keeps its whole
     model and the reference is the whole world mean (the update moves B as well)."""
     averaged = [a.to(p.dtype) for a, p in zip(averaged, region_params)]
-    if rule.strategy == "hierfavg":
+    if rule.strategy.world == "mean":
         return list(averaged), []
     if rule.world_attention:
         return [p.detach().clone() for p in region_params], list(averaged)
@@ -369,7 +360,7 @@ def embed(rule: RoundRule, res: Sequence[torch.Tensor]) -> torch.Tensor:
     per-tensor sketches, which is a count sketch of the whole residual (every coordinate in one
     bucket with a random sign), so the record stays ``residual_dim`` numbers whatever the model's
     size (a sketch per tensor of a whole model overflows what one hivemind DHT message carries)."""
-    emb = residual.residual_embedding(res, dim=rule.residual_dim, seed=rule.seed)
+    emb = residual.residual_embedding(res, dim=rule.config.residual_dim, seed=rule.seed)
     return emb.sum(dim=0, keepdim=True) if rule.world_attention else emb
 
 
@@ -378,7 +369,7 @@ def residual_fetch_list(rule: RoundRule, embeddings: Mapping[str, torch.Tensor],
     """Cross-region weights of ``region`` and the other regions whose full residual it needs (with
     :attr:`RoundRule.world_attention`: one weight per other region, :func:`residual.region_attention`)."""
     weigh = residual.region_attention if rule.world_attention else residual.cross_region_weights
-    weights = weigh(embeddings, region, tau=rule.residual_tau)
+    weights = weigh(embeddings, region, tau=rule.config.residual_tau)
     need = sorted(g for g, a in weights.items() if g != region and float(a.max()) >= FETCH_MIN_WEIGHT)
     return weights, need
 
@@ -389,7 +380,7 @@ def residual_update(rule: RoundRule, region_params: Sequence[torch.Tensor], res:
     """The region's model with ``K_R <- K_R + beta * sum_G a_RG (r_G - r_R)`` over the fetched ``G``
     (with :attr:`RoundRule.world_attention`: the whole model, ``theta_R <- theta_R + ...``)."""
     new = residual.cross_region_update(rule.residual_part(region_params), res, fetched, weights,
-                                       beta=rule.residual_beta)
+                                       beta=rule.config.residual_beta)
     if rule.world_attention:
         return new
     return rule.split.merge(rule.split.take_backbone(region_params), new)
@@ -417,7 +408,7 @@ def world_round(rule: RoundRule, regions: Mapping[str, Sequence[torch.Tensor]],
     models, ks, weights_out, fetched_out = {}, {}, {}, {}
     for r in names:
         models[r], ks[r] = world_backbone(rule, averaged, regions[r])
-    if rule.strategy != "worldlm" or not rule.residual or len(names) < 2:
+    if not rule.residual_exchange or len(names) < 2:
         return WorldRoundResult(models=models, world=averaged, weights={}, fetched={})
     res = {r: region_residual(rule, regions[r], ks[r]) for r in names}
     served = {r: region_residual(rule, sent.get(r, regions[r]), ks[r]) for r in names}

@@ -37,6 +37,8 @@ from worldlm_p2p.privacy import BorderAccountant
 from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, member_world_mix,
                                region_round_with_anchor, world_round)
 from worldlm_p2p.split import split_parameters
+from worldlm_p2p.strategies import strategy as strategy_of
+from worldlm_p2p.strategies import with_border_dp
 from worldlm_p2p.train.dp import peer_dp_config
 from worldlm_p2p.train import (LocalTrainer, TokenData, bits_per_byte, build_model, get_flat_params, hold_out_tune,
                                list_corpus, load_texts, load_tokenizer, peer_data_seed, resolve_device, set_params,
@@ -47,8 +49,8 @@ logger = logging.getLogger(__name__)
 
 #: Strategies whose models cross region borders, where region-level DP applies: worldlm and hierfavg
 #: at their world rounds (the backbone; hierfavg the whole model), fedavg at every round (each
-#: region's mean change, the standard-FL baseline).
-BORDER_DP_STRATEGIES = ("worldlm", "hierfavg", "fedavg")
+#: region's mean change, the standard-FL baseline; :mod:`worldlm_p2p.strategies`).
+BORDER_DP_STRATEGIES = with_border_dp("simulator")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -128,7 +130,8 @@ class Simulator:
         self.names = [n for n, _ in base.named_parameters()]
         self.peers: list[VirtualPeer] = []
         agg = config.aggregation
-        evidence = agg.strategy == "worldlm" and agg.mix == "evidence"
+        kind = strategy_of(agg.strategy)
+        evidence = kind.mixes and agg.mix == "evidence"
         for region, subs in layout.items():
             for sub in subs:
                 data = tokenize_splits(load_texts(sub), self.tokenizer)
@@ -145,12 +148,12 @@ class Simulator:
                 self.peers.append(VirtualPeer(region=region, label=sub.name, data=data, model=model, trainer=trainer))
         self.regions = sorted({p.region for p in self.peers})
         try:
-            split = None if agg.strategy == "centralized" else split_parameters(self.names, agg.key_layers)
+            split = None if kind.pooled else split_parameters(self.names, agg.key_layers)
         except ValueError as e:
             raise ConfigError(f"aggregation.key_layers: {e}") from None
         self.rule = RoundRule.from_config(agg, split, seed=t.seed) if split is not None else None
         self.central: LocalTrainer | None = None
-        if agg.strategy == "centralized":
+        if kind.pooled:
             pooled = TokenData(train=torch.cat([p.data.train for p in self.peers]), valid=self.peers[0].data.valid,
                                train_bytes=sum(p.data.train_bytes for p in self.peers),
                                valid_bytes=self.peers[0].data.valid_bytes)
@@ -195,7 +198,7 @@ class Simulator:
         for name, members in self._groups().items():
             params = [get_flat_params(p.model) for p in members]
             weights = [round_weight(p.tokens_since_round) for p in members]
-            if rule.strategy == "fedavg" and self.border:
+            if rule.strategy.border_dp == "flat" and self.border:
                 new, momenta[name], anchors[name] = self._fedavg_round_with_border_dp(
                     members, params, weights, anchors[name], momenta.get(name))
             else:
@@ -211,11 +214,8 @@ class Simulator:
             for p, tensors in zip(members, new):
                 set_params(p.model, tensors)
                 p.tokens_since_round = 0
-            if rule.strategy == "fedper":
-                # K is per peer: the group anchor only serves the backbone, keep it consistent
-                anchors[name] = rule.split.merge(rule.split.take_backbone(new[0]), rule.split.take_key(anchors[name]))
             payload = _nbytes(rule.backbone(params[0])) + (
-                _nbytes(rule.split.take_key(params[0])) + 4 * len(rule.split.key) if rule.strategy == "worldlm" else 0)
+                _nbytes(rule.split.take_key(params[0])) + 4 * len(rule.split.key) if rule.strategy.attentive else 0)
             n = len(members)
             for p in members:
                 same = sum(1 for q in members if q.region == p.region)
@@ -268,12 +268,12 @@ class Simulator:
             leader = self._leader(r)
             members = [p for p in self.peers if p.region == r]
             leader.bytes_sent_border += allreduce_traffic(model_bytes, len(self.regions))[0]
-            if rule.strategy == "worldlm" and rule.residual and len(self.regions) > 1:
+            if rule.residual_exchange and len(self.regions) > 1:
                 # the published embedding, and the residual every region that fetched it downloaded
                 # (world attention: of the whole model)
                 n_res = len(rule.residual_part(anchors[r]))
                 res_bytes = model_bytes if rule.world_attention else key_bytes
-                leader.bytes_sent_border += n_res * rule.residual_dim * 4
+                leader.bytes_sent_border += n_res * rule.config.residual_dim * 4
                 leader.bytes_sent_border += res_bytes * sum(r in need for need in result.fetched.values())
             leader.bytes_sent_region += model_bytes * (len(members) - 1)  # members download the new model
             # members rebase onto the world result: they add its change of the region model to their
@@ -285,7 +285,7 @@ class Simulator:
                                                  loss_of=self._loss_of(p), own_loss=p.tune_loss)
                 p.tune_loss = None
                 set_params(p.model, model)
-                if rule.evidence and rule.mix_world:
+                if rule.evidence and rule.config.mix_world:
                     p.mixes.append(dict(round=index, kind="world", lam=choice.lam if choice else 0.0,
                                         gain=choice.gain if choice and math.isfinite(choice.gain) else 0.0))
                 p.tokens_since_world = 0
@@ -347,7 +347,7 @@ class Simulator:
         else:
             anchors: dict[str, list[torch.Tensor]] = {}
             momenta: dict[str, Any] = {}
-            if self.rule.strategy != "local":
+            if self.rule.strategy.averages:
                 init = get_flat_params(self.peers[0].model)
                 for name in list(self._groups()) + self.regions:
                     anchors[name] = [t.clone() for t in init]
@@ -365,7 +365,7 @@ class Simulator:
                         p.last_train_loss = res.loss
                     self.on_progress((r - 1) * H * len(self.peers) + (i + 1) * H, total)
                 self._round = r
-                if self.rule.strategy != "local":
+                if self.rule.strategy.averages:
                     self._region_rounds(anchors, momenta)
                     if self.rule.has_world_rounds and r % cfg.aggregation.world_every == 0:
                         self._world_round(r, anchors)

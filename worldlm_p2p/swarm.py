@@ -23,7 +23,7 @@ from typing import Any
 
 from worldlm_p2p.config import RunManifest, check_name
 from worldlm_p2p.errors import ConfigError, DataError
-from worldlm_p2p.train.data import list_corpus
+from worldlm_p2p.train.corpus import list_corpus
 
 logger = logging.getLogger(__name__)
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 import sys
-from typing import Callable, NoReturn
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 from worldlm_p2p.errors import WorldLMError
 
@@ -94,3 +97,67 @@ def run_main(prog: str, body: Callable[[], int | None]) -> NoReturn:
                    "(rerun with WORLDLM_LOGLEVEL=DEBUG for details)", 1)
     sys.stdout.flush()
     sys.exit(code)
+
+
+# ------------------------------------------------------------------------------ flags from config fields
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """A command-line flag for the field ``field`` of the config section ``section``. Its name is
+    ``--<field with dashes>`` unless ``flag`` says otherwise; its type and default come from the
+    field (a ``Literal`` field gets its values as choices; a bool field that defaults to True becomes
+    ``--no-<field>``), and the default is added to ``help``."""
+
+    section: str
+    field: str
+    help: str
+    flag: str | None = None
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return f"{self.section}__{self.field}"
+
+
+def add_flags(parser, sections: Mapping[str, type], flags: Sequence[Flag]) -> None:
+    """Add ``flags`` to ``parser`` (or an argument group); ``sections`` maps a section name to its
+    config dataclass."""
+    for f in flags:
+        cls = sections[f.section]
+        default = next(x for x in dataclasses.fields(cls) if x.name == f.field).default
+        hints = typing.get_type_hints(cls)
+        choices = typing.get_args(hints[f.field]) if typing.get_origin(hints[f.field]) is typing.Literal else None
+        if isinstance(default, bool):
+            name = f.flag or f"--{'no-' if default else ''}{f.field.replace('_', '-')}"
+            parser.add_argument(name, dest=f.dest, action="store_const", const=not default, default=None, help=f.help)
+            continue
+        name = f.flag or f"--{f.field.replace('_', '-')}"
+        shown = f"{default:g}" if isinstance(default, float) else default
+        parser.add_argument(name, dest=f.dest, type=type(default), choices=choices, metavar=f.metavar or (None if choices else f.field.upper()),
+                            help=f"{f.help} (default {shown})")
+
+
+def flag_values(args, flags: Sequence[Flag]) -> dict[str, dict[str, Any]]:
+    """The flags given on the command line, as config sections: ``{section: {field: value}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for f in flags:
+        value = getattr(args, f.dest, None)
+        if value is not None:
+            out.setdefault(f.section, {})[f.field] = value
+    return out
+
+
+#: the differential-privacy flags of worldlm-peer and worldlm-simulate (fields of PrivacyConfig)
+PRIVACY_FLAGS = (
+    Flag("privacy", "border_noise", "border DP: noise multiplier on a region's clipped delta (needs --region-dp-clip)",
+         flag="--region-dp-noise", metavar="SIGMA"),
+    Flag("privacy", "border_clip", "border DP, applied by the region's leader: clip the region's backbone delta "
+                                   "(simulator, fedavg: its mean change) to L2 norm C; 0: off",
+         flag="--region-dp-clip", metavar="C"),
+    Flag("privacy", "border_delta", "delta of the border epsilon", flag="--region-dp-delta", metavar="DELTA"),
+    Flag("privacy", "peer_epsilon", "DP-SGD on the peer's data with target epsilon E over the run's steps; 0: off",
+         flag="--peer-dp-epsilon", metavar="E"),
+    Flag("privacy", "peer_noise", "DP-SGD noise multiplier (instead of --peer-dp-epsilon)", flag="--peer-dp-noise",
+         metavar="SIGMA"),
+    Flag("privacy", "peer_clip", "DP-SGD per-window clipping norm", flag="--peer-dp-clip", metavar="C"),
+    Flag("privacy", "peer_delta", "delta of the DP-SGD epsilon", flag="--peer-dp-delta", metavar="DELTA"),
+)

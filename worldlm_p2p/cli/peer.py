@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from worldlm_p2p.cli.common import ArgumentParser, install_stop_handlers, run_main
+from worldlm_p2p.cli.common import PRIVACY_FLAGS, ArgumentParser, add_flags, flag_values, install_stop_handlers, run_main
 from worldlm_p2p.config import NetConfig, PeerConfig, PrivacyConfig, _build_section, load_toml
 from worldlm_p2p.errors import ConfigError
 
@@ -28,10 +28,6 @@ _PEER_KEYS = {
     "announce_maddrs": list, "identity": str, "summary": str, "manifest_wait": float, "trace_dir": str,
     "privacy": dict,
 }
-# the [peer.privacy] table of a region's profile and the flags that override it
-_PRIVACY_FLAGS = (("region_dp_noise", "border_noise"), ("region_dp_clip", "border_clip"),
-                  ("region_dp_delta", "border_delta"), ("peer_dp_epsilon", "peer_epsilon"),
-                  ("peer_dp_noise", "peer_noise"), ("peer_dp_clip", "peer_clip"), ("peer_dp_delta", "peer_delta"))
 
 
 def build_parser() -> ArgumentParser:
@@ -57,16 +53,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--summary", metavar="JSON", help="write a JSON summary of this peer here at exit")
     p.add_argument("--manifest-wait", type=float, help="seconds to wait for the run manifest (default 30)")
     p.add_argument("--trace-dir", metavar="DIR", help=argparse_suppress())
-    dp = p.add_argument_group("differential privacy (the region's policy: [peer.privacy] in its profile)")
-    dp.add_argument("--region-dp-noise", type=float, metavar="SIGMA",
-                    help="border DP, applied by the region's leader: noise multiplier on the clipped backbone delta")
-    dp.add_argument("--region-dp-clip", type=float, metavar="C", help="border DP: clip the delta to L2 norm C")
-    dp.add_argument("--region-dp-delta", type=float, metavar="DELTA", help="delta of the border epsilon (default 1e-5)")
-    dp.add_argument("--peer-dp-epsilon", type=float, metavar="E",
-                    help="DP-SGD on this peer's data with target epsilon E over --max-steps steps")
-    dp.add_argument("--peer-dp-noise", type=float, metavar="SIGMA", help="DP-SGD noise multiplier (instead of -epsilon)")
-    dp.add_argument("--peer-dp-clip", type=float, metavar="C", help="DP-SGD per-window clipping norm (default 1.0)")
-    dp.add_argument("--peer-dp-delta", type=float, metavar="DELTA", help="delta of the DP-SGD epsilon (default 1e-5)")
+    add_flags(p.add_argument_group("differential privacy (the region's policy: [peer.privacy] in its profile)"),
+              {"privacy": PrivacyConfig}, PRIVACY_FLAGS)
     return p
 
 
@@ -93,11 +81,8 @@ def _merge(args, file_cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
         flag = getattr(args, key, None)
         if flag is not None and key != "privacy":
             peer[key] = flag
-    privacy = dict(peer.get("privacy", {}))
-    for flag, key in _PRIVACY_FLAGS:
-        if getattr(args, flag, None) is not None:
-            privacy[key] = getattr(args, flag)
-    peer["privacy"] = privacy
+    # the [peer.privacy] table of a region's profile, and the flags that override it
+    peer["privacy"] = {**dict(peer.get("privacy", {})), **flag_values(args, PRIVACY_FLAGS).get("privacy", {})}
     overrides = {k: v for k, v in file_cfg.items() if k != "peer"}
     return peer, overrides
 

@@ -149,29 +149,24 @@ class _Watcher:
         self.records = []
         self._swarm = swarm
         self._stop = threading.Event()
-        self._dht = None
+        self._reader = None
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        from worldlm_p2p.config import NetConfig
-        from worldlm_p2p.net import records
-        from worldlm_p2p.net.dht import start_dht
+        from worldlm_p2p.net.reader import RunReader
 
         try:
-            from hivemind.utils.crypto import RSAPrivateKey
-
-            validators = records.make_validators(self._swarm.config.manifest.run_id, RSAPrivateKey())
-            self._dht = start_dht(NetConfig(initial_peers=tuple(self._swarm.initial_peers)),
-                                  record_validators=validators, client_mode=True)
+            self._reader = RunReader(initial_peers=self._swarm.initial_peers,
+                                     run_id=self._swarm.config.manifest.run_id, manifest=False)
             while not self._stop.wait(1.0):
-                self.records = records.fetch_progress(self._dht, self._swarm.config.manifest.run_id)
+                self.records = self._reader.progress()
         except Exception as e:  # the display is best effort; the swarm keeps running
             logger.warning("live display unavailable: %s", e)
         finally:
             # shut the DHT down from the thread that started it (its process dies with this thread)
-            if self._dht is not None:
-                self._dht.shutdown()
+            if self._reader is not None:
+                self._reader.close()
 
     def close(self) -> None:
         self._stop.set()

@@ -1,11 +1,16 @@
 """Networking on hivemind (never imports transformers or datasets).
 
+- ``keys``: every DHT key and averager prefix of a run (the only place they are composed).
+- ``hivemind_compat``: every use of hivemind's private API, checked against the pinned version.
 - ``dht``: multiaddr validation, identity files, joining the DHT with bounded retries.
 - ``records``: signed, schema-validated DHT records (run manifests, peer progress, leader leases).
+- ``schemas``: the wire schemas every DHT node checks before storing, and the validators.
 - ``averaging``: the region all-reduce (``RegionAverager``) and late-joiner state download.
 - ``barrier``: waiting for the live peers of a region before a round.
 - ``leader``: electing one leader per region through an expiring DHT lease.
 - ``world``: world rounds among region leaders (backbone all-reduce, residual records, residuals
   fetched peer to peer).
+- ``reader``: the one reader of a run's records (a client-mode DHT node), for the monitor, the
+  swarm CLI's live view and the tests.
 - ``monitor``: the read-only view of a run that ``worldlm-monitor`` shows, built from the records.
 """

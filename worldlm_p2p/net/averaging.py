@@ -24,12 +24,12 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 
 from worldlm_p2p.config import AveragingConfig
+from worldlm_p2p.net import hivemind_compat
+from worldlm_p2p.net.keys import averager_prefix
 
 logger = logging.getLogger(__name__)
 
 
-def region_prefix(run_id: str, region: str) -> str:
-    return f"{run_id}_{region}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +58,7 @@ class RegionAverager(DecentralizedAverager):
             averaged_tensors=[t.detach().clone().float() for t in tensors],
             dht=dht,
             start=start,
-            prefix=region_prefix(run_id, region),
+            prefix=averager_prefix(run_id, region),
             target_group_size=averaging.target_group_size,
             min_group_size=averaging.min_group_size,
             min_matchmaking_time=averaging.matchmaking_time,
@@ -93,17 +93,15 @@ class RegionAverager(DecentralizedAverager):
     def set_target_group_size(self, size: int, *, timeout: float = 5.0) -> None:
         """Close the next group as soon as ``size`` peers joined, instead of waiting for the whole
         matchmaking window. The region barrier knows how many peers wait for the round; the
-        window remains the bound when one of them does not show up."""
-        from hivemind.utils.mpfuture import MPFuture
-
-        future = MPFuture()
-        self._outer_pipe.send(("_set_target_group_size", [max(int(size), self._min_group_size)], dict(future=future)))
-        future.result(timeout=timeout)
+        window remains the bound when one of them does not show up (and when this fails: logged)."""
+        try:
+            hivemind_compat.call_in_averager(self, "_set_target_group_size", max(int(size), self._min_group_size),
+                                             timeout=timeout)
+        except Exception as e:  # an older or changed hivemind: fall back to the full matchmaking window
+            hivemind_compat.warn_once("setting the matchmaking group size", e)
 
     async def _set_target_group_size(self, size: int, future) -> None:  # runs in the averager process
-        # hivemind keeps the size in two places: the matchmaking loop and the leader bookkeeping
-        self._matchmaking.target_group_size = size
-        self._matchmaking.potential_leaders.target_group_size = size
+        hivemind_compat.set_matchmaking_group_size(self, size)
         future.set_result(None)
 
     # ------------------------------------------------------------------ rounds
@@ -133,26 +131,22 @@ class RegionAverager(DecentralizedAverager):
         """Download the state that one chosen peer of this averager's prefix serves (hivemind's
         ``rpc_download_state``, asked of ``peer_id`` rather than of the highest-priority peer).
         ``None`` if it does not answer within ``timeout`` or serves nothing."""
-        from hivemind.utils.mpfuture import MPFuture
-
-        future = MPFuture()
-        self._outer_pipe.send(("_download_state_from", [str(peer_id)], dict(timeout=float(timeout), future=future)))
         try:
-            return future.result(timeout=timeout + 5.0)
+            return hivemind_compat.call_in_averager(self, "_download_state_from", str(peer_id), timeout=timeout + 5.0,
+                                                    download_timeout=float(timeout))
         except Exception as e:
             logger.debug("state download from %s failed: %s", peer_id, e)
             return None
 
-    async def _download_state_from(self, peer_id: str, timeout: float, future) -> None:  # in the averager process
+    async def _download_state_from(self, peer_id: str, download_timeout: float, future) -> None:  # averager process
         import asyncio
 
         from hivemind.compression import deserialize_torch_tensor
-        from hivemind.p2p import PeerID
         from hivemind.proto import averaging_pb2
         from hivemind.utils.streaming import combine_from_streaming
 
         async def fetch():
-            stub = self.get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
+            stub = hivemind_compat.state_stub(self, peer_id)
             stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
             metadata, tensors, parts = None, [], []
             async for message in stream:
@@ -167,7 +161,7 @@ class RegionAverager(DecentralizedAverager):
             return metadata, tensors
 
         try:
-            metadata, tensors = await asyncio.wait_for(fetch(), timeout=timeout)
+            metadata, tensors = await asyncio.wait_for(fetch(), timeout=download_timeout)
             if not future.done():
                 future.set_result((metadata, tensors) if metadata is not None else None)
         except Exception as e:

@@ -17,6 +17,7 @@ from multiaddr import Multiaddr
 
 from worldlm_p2p.config import NetConfig
 from worldlm_p2p.errors import AddressError, ConfigError
+from worldlm_p2p.net import hivemind_compat
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +45,6 @@ def parse_maddrs(values: Iterable[str], *, what: str, require_peer_id: bool) -> 
                                "address that worldlm-bootstrap printed")
         out.append(str(maddr))
     return tuple(out)
-
-
-def _rsa_from_der(der: bytes):
-    from hivemind.utils.crypto import RSAPrivateKey
-
-    key = RSAPrivateKey.__new__(RSAPrivateKey)
-    key.__setstate__({"_private_key": der})
-    return key
 
 
 def ensure_identity(path: str | Path):
@@ -86,7 +79,7 @@ def ensure_identity(path: str | Path):
         proto = crypto_pb2.PrivateKey.FromString(blob)
         if proto.key_type != crypto_pb2.KeyType.RSA:
             raise ValueError("not an RSA key")
-        key = _rsa_from_der(proto.data)
+        key = hivemind_compat.rsa_key_from_der(proto.data)
     except PermissionError:
         raise ConfigError(f"cannot read identity {path}: permission denied") from None
     except Exception as e:

@@ -54,10 +54,9 @@ from typing import Any, Sequence
 
 from hivemind.utils.timed_storage import get_dht_time
 
-from worldlm_p2p.config import NetConfig, RunManifest
-from worldlm_p2p.errors import ManifestError
-from worldlm_p2p.net import records
+from worldlm_p2p.config import RunManifest
 from worldlm_p2p.net.leader import elect
+from worldlm_p2p.net.reader import RunReader
 from worldlm_p2p.net.records import LeaseRecord, ProgressRecord
 
 logger = logging.getLogger(__name__)
@@ -157,8 +156,9 @@ def build_snapshot(progress: Sequence[ProgressRecord], leases: Sequence[LeaseRec
     return dict(run_id=run_id, time=now, manifest=about, regions=regions, totals=totals)
 
 
-class SwarmMonitor:
-    """A read-only client of a run's DHT records. Always :meth:`close` it (it runs hivemind processes).
+class SwarmMonitor(RunReader):
+    """A read-only client of a run's DHT records (:class:`~worldlm_p2p.net.reader.RunReader`) that
+    builds snapshots. Always :meth:`close` it (it runs hivemind processes).
 
     ``run_id=None``: the run is found from the manifests that bootstrap nodes publish (an error
     if there are several). Raises NetworkError / ManifestError with one-line messages.
@@ -166,33 +166,12 @@ class SwarmMonitor:
 
     def __init__(self, *, initial_peers: Sequence[str], run_id: str | None = None,
                  manifest_wait: float = 10.0) -> None:
-        from hivemind.utils.crypto import RSAPrivateKey
-
-        from worldlm_p2p.net.dht import start_dht
-
-        # the key only satisfies the signature validator's constructor: this node never stores a record
-        self._validators = records.make_validators(None, RSAPrivateKey())
-        self.dht = start_dht(NetConfig(initial_peers=tuple(initial_peers)), record_validators=self._validators,
-                             client_mode=True)
-        self.manifest: RunManifest | None = None
-        try:
-            self.manifest = records.fetch_run_manifest(self.dht, run_id=run_id, wait=manifest_wait if run_id is None
-                                                       else min(manifest_wait, 2.0))
-        except ManifestError:
-            if run_id is None:
-                self.close()
-                raise
-            logger.info("run %s has no manifest in the DHT; showing its records without it", run_id)
-        except BaseException:
-            self.close()
-            raise
-        self.run_id = run_id or self.manifest.run_id
-        self.dht.add_validators(records.make_validators(self.run_id, RSAPrivateKey())[2:])
+        super().__init__(initial_peers=initial_peers, run_id=run_id, manifest=True, manifest_wait=manifest_wait)
 
     def snapshot(self) -> dict[str, Any]:
         """Read the run's records now and build a snapshot."""
-        progress = records.fetch_progress(self.dht, self.run_id)
-        leases = records.fetch_leases(self.dht, self.run_id) if progress else []
+        progress = self.progress()
+        leases = self.leases() if progress else []
         return build_snapshot(progress, leases, run_id=self.run_id, now=time.time(), dht_now=get_dht_time(),
                               manifest=self.manifest)
 
@@ -206,16 +185,3 @@ class SwarmMonitor:
             if should_stop() or time.monotonic() >= deadline:
                 return None
             time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
-
-    @property
-    def peer_id(self) -> str:
-        return str(self.dht.peer_id)
-
-    def close(self) -> None:
-        if self.dht is not None:
-            try:
-                self.dht.shutdown()
-            except Exception as e:  # shutting down twice, or a dead DHT process
-                logger.debug("DHT shutdown: %s", e)
-            self.dht = None
-

@@ -38,10 +38,10 @@ from worldlm_p2p.aggregation import allreduce_traffic
 from worldlm_p2p.config import AveragingConfig
 from worldlm_p2p.net import records
 from worldlm_p2p.net.averaging import RegionAverager
+from worldlm_p2p.net.keys import LEADERS_GROUP
 
 logger = logging.getLogger(__name__)
 
-LEADERS_GROUP = "_leaders"  # averager prefix <run>__leaders: no region can be named so
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +120,7 @@ class WorldExchange:
         model, k_world = rounds.world_backbone(rule, result.averaged, region_model)
         outcome = dict(world_round=w, regions=tuple(sorted(members)), bytes_sent=n_sent, bytes_received=received,
                        world=[t.to(torch.float32) for t in result.averaged])
-        if rule.strategy != "worldlm" or not rule.residual or len(members) < 2:
+        if not rule.residual_exchange or len(members) < 2:
             return WorldOutcome(ok=True, model=model, seconds=time.monotonic() - t0, **outcome)
 
         res = rounds.region_residual(rule, region_model, k_world)

@@ -8,23 +8,25 @@ It knows nothing about peers or networking and never imports hivemind.
   :func:`autocast_context`.
 - ``data``: :func:`load_texts` (corpus leaf / text dir / saved ``datasets`` dir / single file),
   :func:`tokenize_splits`, :func:`sample_batch` (pure function of seed and step),
-  :func:`eval_batches`, :func:`hold_out_tune` (the tune slice for evidence), :func:`demo_data_dir`, :func:`list_corpus`.
+  :func:`eval_batches`, :func:`hold_out_tune` (the tune slice for evidence).
+- ``corpus``: the federated layout: :func:`list_corpus`, :func:`read_grouping` (regroupings by a
+  grouping file), :func:`demo_data_dir` (the bundled slice).
 - ``trainer``: :class:`LocalTrainer` (AdamW, warmup, clipping, bf16 autocast on CUDA),
   :func:`get_flat_params` / :func:`set_params` for the averaging layer.
 - ``dp``: :class:`DPSGDConfig` (``LocalTrainer(..., dp=DPSGDConfig(...))`` runs DP-SGD with Opacus:
   per-window clipping, Gaussian noise, Poisson sampling, an RDP accountant), :class:`DPSGD`,
   :func:`peer_dp_config` (the config from settings where 0 means off).
+- ``dp_sampling``: the Poisson sampling of training windows that DP-SGD's accountant assumes.
 
 Importing this package is cheap: ``transformers``, ``datasets`` and ``opacus`` are imported on first use.
 """
 
+from worldlm_p2p.train.corpus import demo_data_dir, list_corpus, read_grouping
 from worldlm_p2p.train.data import (
     TextSplits,
     TokenData,
-    demo_data_dir,
     eval_batches,
     hold_out_tune,
-    list_corpus,
     load_texts,
     peer_data_seed,
     sample_batch,
@@ -68,6 +70,7 @@ __all__ = [
     "hold_out_tune",
     "demo_data_dir",
     "list_corpus",
+    "read_grouping",
     "LocalTrainer",
     "StepResult",
     "lr_at",

@@ -1,13 +1,6 @@
-"""Typed, frozen configuration.
+"""The run's settings: what every peer of a run must share (the run manifest and its sections),
+and the validation helpers every config section uses (imports the standard library only)."""
 
-The **run manifest** (:class:`RunManifest`) is what every peer of a run must agree on: the model
-architecture, the tokenizer, the training hyper-parameters, the aggregation strategy and the
-averaging timings. A bootstrap node publishes it from a TOML file; peers fetch it from the DHT.
-Local, per-peer settings (region, data, devices, addresses) live in :class:`PeerConfig`.
-
-All dataclasses are frozen and keyword-only, and validate themselves in ``__post_init__`` with a
-:class:`~worldlm_p2p.errors.ConfigError` that names the offending setting.
-"""
 
 from __future__ import annotations
 
@@ -22,12 +15,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from worldlm_p2p.errors import ConfigError
+from worldlm_p2p.kinds import (ATTENTION_FORMS, MIX_RULES, OUTER_OPTIMIZERS, PERSONAL_SCOPES, STRATEGY_NAMES,
+                               SWARM_STRATEGIES, WORLD_TARGETS, AttentionForm, MixRule, OuterOptimizer, PersonalScope,
+                               StrategyName, WorldTarget)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-STRATEGIES = ("worldlm", "fedavg", "hierfavg", "fedper", "local")  # what a swarm runs
-SIM_STRATEGIES = (*STRATEGIES, "centralized")  # the simulator also has the pooled-data baseline
-MIX_RULES = ("evidence", "cosine", "none")  # what a worldlm member keeps after a round
-WORLD_TARGETS = ("mean", "attention")  # where a worldlm world round moves a region
 
 
 def check_name(kind: str, value: str) -> str:
@@ -183,9 +175,9 @@ class AggregationConfig:
       region rounds (:mod:`worldlm_p2p.outer_optim`); ``sgd`` with lr 1 is FedAvg.
     """
 
-    strategy: str = "worldlm"
+    strategy: StrategyName = "worldlm"
     key_layers: str = "kv"
-    attention: str = "distance"
+    attention: AttentionForm = "distance"
     tau: float = 0.1
     eps: float = 1.0
     world_every: int = 1
@@ -193,8 +185,8 @@ class AggregationConfig:
     residual_dim: int = 256
     residual_tau: float = 0.1
     residual_beta: float = 0.5
-    world_target: str = "mean"
-    mix: str = "evidence"
+    world_target: WorldTarget = "mean"
+    mix: MixRule = "evidence"
     mix_world: bool = True
     mix_world_max: float = 0.25
     mix_z: float = 0.0
@@ -202,17 +194,17 @@ class AggregationConfig:
     tune_tokens: int = 2048
     tune_pieces: int = 1
     personal_tau: float = 0.1
-    personal_scope: str = "all"
-    outer: str = "sgd"
+    personal_scope: PersonalScope = "all"
+    outer: OuterOptimizer = "sgd"
     outer_lr: float = 1.0  # 1.0 with sgd = plain FedAvg: adopt the averaged model
     outer_momentum: float = 0.9  # nesterov only
 
     def __post_init__(self) -> None:
-        _require(self.strategy in SIM_STRATEGIES, "aggregation.strategy",
-                 f"{self.strategy!r} is not one of {', '.join(SIM_STRATEGIES)}")
+        _require(self.strategy in STRATEGY_NAMES, "aggregation.strategy",
+                 f"{self.strategy!r} is not one of {', '.join(STRATEGY_NAMES)}")
         _require(bool(self.key_layers.strip()), "aggregation.key_layers", "must name a preset or patterns")
-        _require(self.attention in ("distance", "cosine", "mean"), "aggregation.attention",
-                 f"{self.attention!r} is not one of distance, cosine, mean")
+        _require(self.attention in ATTENTION_FORMS, "aggregation.attention",
+                 f"{self.attention!r} is not one of {', '.join(ATTENTION_FORMS)}")
         _require(self.tau > 0, "aggregation.tau", "must be > 0")
         _require(0 < self.eps <= 2, "aggregation.eps", "must be in (0, 2]")
         _require(self.world_every >= 1, "aggregation.world_every", "must be >= 1")
@@ -230,9 +222,10 @@ class AggregationConfig:
         _require(self.personal_tau > 0 or self.mix != "cosine", "aggregation.personal_tau",
                  "must be > 0 with mix = \"cosine\" (use mix = \"none\" to make members adopt the agreed model)")
         _require(self.personal_tau >= 0, "aggregation.personal_tau", "must be >= 0")
-        _require(self.personal_scope in ("key", "all"), "aggregation.personal_scope",
-                 f"{self.personal_scope!r} is not one of key, all")
-        _require(self.outer in ("sgd", "nesterov"), "aggregation.outer", f"{self.outer!r} is not one of sgd, nesterov")
+        _require(self.personal_scope in PERSONAL_SCOPES, "aggregation.personal_scope",
+                 f"{self.personal_scope!r} is not one of {', '.join(PERSONAL_SCOPES)}")
+        _require(self.outer in OUTER_OPTIMIZERS, "aggregation.outer",
+                 f"{self.outer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
         _require(0 < self.outer_lr <= 2, "aggregation.outer_lr", "must be in (0, 2]")
         _require(0 <= self.outer_momentum < 1, "aggregation.outer_momentum", "must be in [0, 1)")
 
@@ -271,49 +264,6 @@ def _finite(x: float) -> bool:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PrivacyConfig:
-    """Differential-privacy settings of a region's peers (the ``[peer.privacy]`` table of a region's
-    profile, or ``worldlm-peer``/``worldlm-simulate`` flags).
-
-    - Border (region-level) DP, enforced by the region's leader: before the region's backbone delta
-      leaves in a world round it is clipped to L2 norm ``border_clip`` and Gaussian noise of std
-      ``border_noise * border_clip`` is added (:mod:`worldlm_p2p.privacy`). ``border_clip = 0``: off.
-    - Peer (sample-level) DP-SGD with Opacus: per-window gradients clipped to ``peer_clip`` and
-      noised; ``peer_epsilon`` (a target, calibrated over the run's steps) or ``peer_noise`` (a noise
-      multiplier), not both; both 0: off.
-    """
-
-    border_noise: float = 0.0
-    border_clip: float = 0.0
-    border_delta: float = 1e-5
-    peer_epsilon: float = 0.0
-    peer_noise: float = 0.0
-    peer_clip: float = 1.0
-    peer_delta: float = 1e-5
-
-    def __post_init__(self) -> None:
-        for name in ("border_noise", "border_clip", "peer_epsilon", "peer_noise"):
-            _require(_finite(getattr(self, name)) and getattr(self, name) >= 0, f"privacy.{name}",
-                     "must be a finite number >= 0")
-        _require(_finite(self.peer_clip) and self.peer_clip > 0, "privacy.peer_clip", "must be > 0")
-        for name in ("border_delta", "peer_delta"):
-            _require(_finite(getattr(self, name)) and 0 < getattr(self, name) < 1, f"privacy.{name}",
-                     "must be in (0, 1), e.g. 1e-5")
-        _require(not (self.border_noise > 0 and self.border_clip == 0), "privacy.border_noise",
-                 "needs privacy.border_clip > 0 (the noise is border_noise x border_clip)")
-        _require(not (self.peer_epsilon > 0 and self.peer_noise > 0), "privacy.peer_epsilon",
-                 "give a target epsilon or a noise multiplier (privacy.peer_noise), not both")
-
-    @property
-    def border(self) -> bool:
-        return self.border_clip > 0
-
-    @property
-    def peer(self) -> bool:
-        return self.peer_epsilon > 0 or self.peer_noise > 0
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class PrivacyPolicy:
     """What every region must at least meet (the run manifest's ``[privacy]`` table; 0 = no requirement).
 
@@ -334,29 +284,6 @@ class PrivacyPolicy:
             _require(_finite(getattr(self, name)) and getattr(self, name) >= 0, f"privacy.{name}",
                      "must be a finite number >= 0 (0: no requirement)")
         _require(_finite(self.max_delta) and 0 < self.max_delta < 1, "privacy.max_delta", "must be in (0, 1)")
-
-
-def privacy_violations(policy: PrivacyPolicy, settings: PrivacyConfig) -> list[str]:
-    """Why ``settings`` (a region's privacy settings) break the run's ``policy``; empty if they meet it."""
-    out = []
-    if policy.min_border_noise > 0 and settings.border_noise < policy.min_border_noise:
-        out.append(f"the run requires border noise >= {policy.min_border_noise:g} at every region's border, "
-                   f"this peer's region has {settings.border_noise:g} (privacy.border_noise)")
-    if policy.max_border_clip > 0 and not (0 < settings.border_clip <= policy.max_border_clip):
-        out.append(f"the run requires a border clip norm <= {policy.max_border_clip:g}, this peer's region has "
-                   f"{settings.border_clip:g} (privacy.border_clip; 0 means no clipping)")
-    if settings.border and settings.border_delta > policy.max_delta:
-        out.append(f"privacy.border_delta {settings.border_delta:g} exceeds the run's max_delta {policy.max_delta:g}")
-    if policy.max_peer_epsilon > 0:
-        if not settings.peer:
-            out.append(f"the run requires DP-SGD at every peer with epsilon <= {policy.max_peer_epsilon:g}; "
-                       "set privacy.peer_epsilon (or privacy.peer_noise)")
-        elif settings.peer_epsilon > policy.max_peer_epsilon:
-            out.append(f"privacy.peer_epsilon {settings.peer_epsilon:g} exceeds the run's max_peer_epsilon "
-                       f"{policy.max_peer_epsilon:g}")
-    if settings.peer and settings.peer_delta > policy.max_delta:
-        out.append(f"privacy.peer_delta {settings.peer_delta:g} exceeds the run's max_delta {policy.max_delta:g}")
-    return out
 
 
 # ----------------------------------------------------------------------------------- manifest
@@ -404,7 +331,7 @@ class RunManifest:
 
     def __post_init__(self) -> None:
         check_name("run id", self.run_id)
-        _require(self.aggregation.strategy in STRATEGIES, "aggregation.strategy",
+        _require(self.aggregation.strategy in SWARM_STRATEGIES, "aggregation.strategy",
                  f"{self.aggregation.strategy!r} is a single-process baseline: run it with worldlm-simulate")
         _require(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
                  f"{self.train.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}")
@@ -495,68 +422,3 @@ def manifest_conflicts(manifest: RunManifest, local: Mapping[str, Any]) -> list[
             elif ref[section][key] != value:
                 messages.append(f"{section}.{key}: local {value!r} != run manifest {ref[section][key]!r}")
     return messages
-
-
-# ----------------------------------------------------------------------------------- peer
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class NetConfig:
-    """How a process joins the DHT."""
-
-    initial_peers: tuple[str, ...] = ()
-    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    announce_maddrs: tuple[str, ...] = ()
-    identity_path: str | None = None
-    connect_retries: int = 3
-    connect_backoff: float = 1.0  # seconds before the first retry; doubles each time
-    startup_timeout: float = 30.0
-
-    def __post_init__(self) -> None:
-        _require(self.connect_retries >= 0, "connect_retries", "must be >= 0")
-        _require(self.connect_backoff >= 0, "connect_backoff", "must be >= 0")
-        _require(self.startup_timeout > 0, "startup_timeout", "must be > 0")
-        _require(len(self.host_maddrs) > 0, "host_maddrs", "needs at least one address to listen on")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PeerConfig:
-    """Local settings of one peer. Everything shared with the run comes from the manifest."""
-
-    region: str
-    data: str
-    net: NetConfig = field(default_factory=NetConfig)
-    run_id: str | None = None
-    label: str = ""
-    max_steps: int | None = None
-    max_tokens: int | None = None
-    device: str = "auto"
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 50  # steps; also written at every clean shutdown
-    keep_checkpoints: int = 3
-    progress_interval: float = 2.0  # seconds between progress records
-    progress_ttl: float = 15.0  # seconds a progress record stays valid without renewal
-    torch_threads: int | None = None
-    manifest_wait: float = 30.0  # seconds to wait for the run manifest to appear in the DHT
-    join_state_timeout: float = 30.0  # seconds to wait for the region's current model when joining
-    local_overrides: Mapping[str, Any] = field(default_factory=dict)  # manifest-shaped, must agree
-    summary_path: str | None = None  # JSON written at exit (used by worldlm-swarm)
-    trace_dir: str | None = None  # audit trail: pre/post tensors of every region round
-    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # the region's policy ([peer.privacy])
-
-    def __post_init__(self) -> None:
-        check_name("region", self.region)
-        if self.run_id is not None:
-            check_name("run id", self.run_id)
-        _require(self.max_steps is None or self.max_steps > 0, "max_steps", "must be a positive integer")
-        _require(self.max_tokens is None or self.max_tokens > 0, "max_tokens", "must be a positive integer")
-        _require(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device",
-                 f"{self.device!r} is not 'auto', 'cpu' or 'cuda[:N]'")
-        _require(self.checkpoint_every > 0, "checkpoint_every", "must be a positive integer")
-        _require(self.keep_checkpoints >= 2, "keep_checkpoints", "must be >= 2 so a corrupt latest one has a fallback")
-        _require(self.progress_interval > 0, "progress_interval", "must be > 0")
-        _require(self.progress_ttl > self.progress_interval, "progress_ttl", "must exceed progress_interval")
-        _require(self.torch_threads is None or self.torch_threads > 0, "torch_threads", "must be a positive integer")
-        _require(not (self.privacy.peer_epsilon > 0 and self.max_steps is None), "privacy.peer_epsilon",
-                 "DP-SGD with a target epsilon needs --max-steps (the noise is calibrated over the run's steps), "
-                 "or give privacy.peer_noise instead")

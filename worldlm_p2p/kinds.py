@@ -1,0 +1,32 @@
+"""The enum-like settings, typed as literals, in one place (imports the standard library only).
+
+Each ``Literal`` is the type of a config field; its tuple (``get_args``) is what validation and
+the CLIs' ``choices`` accept. What each value *does* is documented where it acts: the strategies in
+:mod:`worldlm_p2p.strategies`, the other rules in :class:`worldlm_p2p.config.AggregationConfig`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+#: what a swarm runs; ``centralized`` (one model on the pooled text) exists only in the simulator
+SwarmStrategy = Literal["worldlm", "fedavg", "hierfavg", "fedper", "local"]
+StrategyName = Literal["worldlm", "fedavg", "hierfavg", "fedper", "local", "centralized"]
+#: the key-layer rule inside a region (:mod:`worldlm_p2p.attention`)
+AttentionForm = Literal["distance", "cosine", "mean"]
+#: what a worldlm member keeps after a round (:mod:`worldlm_p2p.mixing`, :func:`~worldlm_p2p.attention.personalize`)
+MixRule = Literal["evidence", "cosine", "none"]
+#: where a worldlm world round moves a region
+WorldTarget = Literal["mean", "attention"]
+#: what the cosine personal mix covers
+PersonalScope = Literal["key", "all"]
+#: the outer optimizer of region rounds (:mod:`worldlm_p2p.outer_optim`)
+OuterOptimizer = Literal["sgd", "nesterov"]
+
+SWARM_STRATEGIES: tuple[str, ...] = get_args(SwarmStrategy)
+STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)
+ATTENTION_FORMS: tuple[str, ...] = get_args(AttentionForm)
+MIX_RULES: tuple[str, ...] = get_args(MixRule)
+WORLD_TARGETS: tuple[str, ...] = get_args(WorldTarget)
+PERSONAL_SCOPES: tuple[str, ...] = get_args(PersonalScope)
+OUTER_OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizer)

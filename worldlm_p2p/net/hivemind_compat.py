@@ -1,0 +1,107 @@
+"""Every use of hivemind's private API, in one place, for the pinned version (``hivemind==1.1.12``).
+
+WorldLM extends hivemind at three seams that its public API does not offer:
+
+- **calls into the averager's process** (:func:`call_in_averager`): hivemind runs each
+  ``DecentralizedAverager`` in a child process and sends it ``(method name, args, kwargs)`` over its
+  private control pipe ``_outer_pipe``; a method of our subclass runs there, as hivemind's own
+  ``_load_state_from_peers`` does;
+- **the matchmaking group size** (:func:`set_matchmaking_group_size`, inside that process): hivemind
+  keeps the target size in its ``Matchmaking`` object and in its ``PotentialLeaders`` bookkeeping;
+- **state download from one chosen peer** (:func:`state_stub`): hivemind's ``rpc_download_state``
+  asked of a given peer through the averager's private ``_p2p`` handle, instead of its
+  ``load_state_from_peers``, which picks the peer with the highest declared priority;
+- **an RSA key from its DER bytes** (:func:`rsa_key_from_der`): hivemind's ``RSAPrivateKey`` has no
+  loader from bytes other than its pickle state.
+
+:func:`check` inspects the installed hivemind for each of them; ``tests/test_hivemind_compat.py``
+fails loudly when the pinned version changes or a seam moved. At run time a failure at a seam is
+logged as a warning (once per seam) and the caller falls back (a full matchmaking window, a
+download that returns nothing), never silently.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PINNED = "1.1.12"
+_warned: set[str] = set()
+
+
+def warn_once(seam: str, error: BaseException) -> None:
+    """Log a failure at a private seam as a warning the first time, at debug level after."""
+    level = logging.DEBUG if seam in _warned else logging.WARNING
+    _warned.add(seam)
+    logger.log(level, "hivemind %s: %s failed (%s: %s); falling back", installed_version(), seam,
+               type(error).__name__, error)
+
+
+def installed_version() -> str:
+    import hivemind
+
+    return str(getattr(hivemind, "__version__", "?"))
+
+
+def call_in_averager(averager: Any, method: str, *args: Any, timeout: float, **kwargs: Any) -> Any:
+    """Run ``averager.<method>(*args, future=..., **kwargs)`` in the averager's process (an ``async``
+    method that sets the future's result) and return the result, waiting at most ``timeout``."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    future = MPFuture()
+    averager._outer_pipe.send((method, list(args), dict(kwargs, future=future)))
+    return future.result(timeout=timeout)
+
+
+def set_matchmaking_group_size(averager: Any, size: int) -> None:
+    """Inside the averager's process: close the next group as soon as ``size`` peers joined."""
+    averager._matchmaking.target_group_size = size
+    averager._matchmaking.potential_leaders.target_group_size = size
+
+
+def state_stub(averager: Any, peer_id: str) -> Any:
+    """Inside the averager's process: the RPC stub of ``peer_id``'s averager of the same prefix."""
+    from hivemind.p2p import PeerID
+
+    return averager.get_stub(averager._p2p, PeerID.from_base58(peer_id), namespace=averager.prefix)
+
+
+def rsa_key_from_der(der: bytes) -> Any:
+    """A ``hivemind.utils.crypto.RSAPrivateKey`` from the DER bytes of a private key."""
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": der})
+    return key
+
+
+def check() -> list[str]:
+    """What does not hold in the installed hivemind (empty: every seam is where we use it)."""
+    from hivemind.averaging import DecentralizedAverager, matchmaking
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    problems = []
+    if installed_version() != PINNED:
+        problems.append(f"hivemind {installed_version()} is installed; the seams were checked against {PINNED}")
+    averager = inspect.getsource(DecentralizedAverager)
+    for needle, what in (("self._inner_pipe, self._outer_pipe = mp.Pipe", "the averager's control pipe"),
+                         ("getattr(self, method)(*args, **kwargs)", "the dispatch of pipe messages to methods"),
+                         ("self._matchmaking = Matchmaking(", "the averager's Matchmaking object"),
+                         ("self._p2p = ", "the averager's p2p handle"),
+                         ("async def rpc_download_state(", "rpc_download_state")):
+        if needle not in averager:
+            problems.append(f"DecentralizedAverager: {what} ({needle!r}) is gone")
+    mm = inspect.getsource(matchmaking)
+    for needle in ("self.target_group_size, self.min_group_size = target_group_size",
+                   "self.potential_leaders = PotentialLeaders(", "        self.target_group_size = target_group_size"):
+        if needle not in mm:
+            problems.append(f"hivemind.averaging.matchmaking: {needle!r} is gone")
+    if "self._private_key = serialization.load_der_private_key(self._private_key" not in inspect.getsource(
+            RSAPrivateKey.__setstate__):
+        problems.append("RSAPrivateKey.__setstate__ no longer loads '_private_key' from DER bytes")
+    if not hasattr(DecentralizedAverager, "get_stub") or not hasattr(DecentralizedAverager, "serializer"):
+        problems.append("DecentralizedAverager lost get_stub or serializer")
+    return problems

@@ -1,0 +1,125 @@
+"""The wire schemas of the DHT records (pydantic models that every DHT node checks before it stores
+a value) and the validators a node runs: signatures, and the schema of each key
+(:mod:`worldlm_p2p.net.records` has the records themselves)."""
+
+from __future__ import annotations
+
+import pydantic.v1 as pydantic
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+
+from worldlm_p2p.net.keys import RUNS_PREFIX
+
+_MAX_STR = 256
+MAX_EMBEDDING_BYTES = 1 << 20  # 1 MiB: 4096 layers x 64 numbers, far above any preset
+_Str = pydantic.constr(strict=True, max_length=_MAX_STR)
+_Count = pydantic.conint(strict=True, ge=0)
+_Float = pydantic.confloat(strict=True, allow_inf_nan=False)
+_NonNegFloat = pydantic.confloat(strict=True, ge=0, allow_inf_nan=False)
+MAX_LEASE_MADDRS = 8  # multiaddrs a lease record may carry (each at most _MAX_STR characters)
+MAX_LOSS_TREND = 16  # recent loss points a progress record carries
+
+
+class _ProgressModel(pydantic.BaseModel):
+    region: _Str
+    peer_id: _Str
+    label: _Str
+    step: _Count
+    tokens: _Count
+    train_loss: _NonNegFloat
+    tokens_per_s: _NonNegFloat
+    rounds_completed: _Count
+    last_group_size: _Count
+    bytes_sent: _Count
+    bytes_received: _Count
+    round: _Count
+    waiting_for_round: pydantic.conint(strict=True, ge=-1)
+    fingerprint: _Str
+    time: _NonNegFloat
+    finished: pydantic.StrictBool
+    world_round: pydantic.conint(strict=True, ge=-1) = -1
+    leader: pydantic.StrictBool = False
+    loss_trend: pydantic.conlist(_NonNegFloat, max_items=MAX_LOSS_TREND) = []
+    epsilon: pydantic.confloat(strict=True, ge=-1, allow_inf_nan=False) = -1.0
+    border_epsilon: pydantic.confloat(strict=True, ge=-1, allow_inf_nan=False) = -1.0
+    border_releases: pydantic.conint(strict=True, ge=-1) = -1
+    mix_region: pydantic.confloat(strict=True, ge=-1, le=1, allow_inf_nan=False) = -1.0
+    mix_world: pydantic.confloat(strict=True, ge=-1, le=1, allow_inf_nan=False) = -1.0
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class _LeaseModel(pydantic.BaseModel):
+    region: _Str
+    peer_id: _Str
+    since: _NonNegFloat
+    expires: _NonNegFloat
+    fingerprint: _Str
+    world_round: pydantic.conint(strict=True, ge=-1)
+    maddrs: pydantic.conlist(_Str, max_items=MAX_LEASE_MADDRS)
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class _ManifestModel(pydantic.BaseModel):
+    run_id: _Str
+    fingerprint: _Str
+    manifest: pydantic.conbytes(strict=True, max_length=65536)  # msgpack of RunManifest.to_dict()
+    time: _NonNegFloat
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class _ResidualModel(pydantic.BaseModel):
+    region: _Str
+    peer_id: _Str
+    world_round: _Count
+    fingerprint: _Str
+    layers: pydantic.conint(strict=True, ge=1, le=4096)
+    dim: pydantic.conint(strict=True, ge=1, le=4096)
+    embedding: pydantic.conbytes(strict=True, max_length=MAX_EMBEDDING_BYTES)  # float32, little endian
+    time: _NonNegFloat
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class _RunsSchema(pydantic.BaseModel):
+    runs: dict[BytesWithPublicKey, _ManifestModel]
+
+
+class _ProgressSchema(pydantic.BaseModel):
+    progress: dict[BytesWithPublicKey, _ProgressModel]
+
+
+class _LeadersSchema(pydantic.BaseModel):
+    leaders: dict[BytesWithPublicKey, _LeaseModel]
+
+
+class _ResidualsSchema(pydantic.BaseModel):
+    residuals: dict[BytesWithPublicKey, _ResidualModel]
+
+
+def make_validators(run_id: str | None, private_key) -> list:
+    """Validators every DHT node of the run must use (also bootstrap nodes, which store records).
+
+    ``private_key``: the identity's RSA key, so a restarted process keeps its records' ownership.
+    The first two validators (signature, run manifests) do not depend on ``run_id``; the run's own
+    schemas follow them, so a node that learns the run id later adds ``make_validators(...)[2:]``.
+    """
+    validators: list = [RSASignatureValidator(private_key), SchemaValidator(_RunsSchema, prefix=RUNS_PREFIX)]
+    if run_id is not None:
+        validators.append(SchemaValidator(_ProgressSchema, prefix=run_id))
+        validators.append(SchemaValidator(_LeadersSchema, prefix=run_id))
+        validators.append(SchemaValidator(_ResidualsSchema, prefix=run_id))
+    return validators
+
+
+def owner_subkey(validators) -> bytes:
+    for v in validators:
+        if isinstance(v, RSASignatureValidator):
+            return v.local_public_key
+    raise ValueError("no RSASignatureValidator among the validators")

@@ -1,0 +1,212 @@
+"""The peer: the composition root that knows every part, and its run loop.
+
+:meth:`Peer.run` reads top to bottom: join (:mod:`.joining`), build the parts, start from a
+checkpoint, the region's current model or the common init, then train; every H inner steps a
+region round (:mod:`.region_round`); world rounds when this peer leads its region
+(:mod:`.world`); progress records every few seconds; atomic checkpoints (:mod:`worldlm_p2p.codec`);
+on stop a final checkpoint, the held-out loss and the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worldlm_p2p.config import PeerConfig, RunManifest
+from worldlm_p2p.net.averaging import RegionAverager
+from worldlm_p2p.net.keys import ALL_REGIONS
+from worldlm_p2p.rounds import region_payload
+from worldlm_p2p.train import load_texts
+
+from worldlm_p2p.peer import checkpoints, joining
+from worldlm_p2p.peer.member import Member
+from worldlm_p2p.peer.progress import Progress
+from worldlm_p2p.peer.region_round import RegionRound, gathered_tokens
+from worldlm_p2p.peer.serving import StateServer
+from worldlm_p2p.peer.state import RegionState
+from worldlm_p2p.peer.stats import PeerStats
+from worldlm_p2p.peer.world import WorldRounds
+
+logger = logging.getLogger(__name__)
+
+
+class Peer:
+    """A WorldLM peer. Construct, then :meth:`run` (blocking) and always :meth:`shutdown`."""
+
+    def __init__(self, *, config: PeerConfig) -> None:
+        self.config, self.stats = config, PeerStats()
+        self.label = config.label or Path(config.data).name or config.region
+        self.manifest: RunManifest | None = None
+        self.peer_id = ""
+        self._stop = threading.Event()
+        self._dht_lock = threading.Lock()
+        self._started = time.monotonic()
+        self._net = self._averager = self._world = self._progress = self._member = self._state = None
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to finish the current step and exit cleanly (signal-safe)."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> None:
+        cfg = self.config
+        splits = load_texts(cfg.data)  # fail on bad data before touching the network
+        self._net = net = joining.connect(cfg, stopping=self._stop.is_set)
+        self.manifest, self.peer_id, m = net.manifest, net.peer_id, net.manifest
+        local = joining.build_local(cfg, m, splits)
+        self.trainer, self.rule = local.trainer, local.rule
+        self._member = Member(model=local.model, trainer=local.trainer, rule=local.rule, stats=self.stats)
+        self._state = RegionState(anchor=self._member.params(),
+                                  border_delta=cfg.privacy.border_delta if cfg.privacy.border else None)
+        joining.log_strategy(self.rule)
+        template = self._state.anchor if not self.rule.strategy.averages else region_payload(
+            self.rule, self._state.anchor, self._state.anchor)
+        resumed = checkpoints.resume(cfg, m, member=self._member, state=self._state, stats=self.stats)
+        self._progress = progress = Progress(
+            dht=net.dht, validators=net.validators, dht_lock=self._dht_lock, config=cfg, manifest=m,
+            peer_id=self.peer_id, label=self.label, stats=self.stats, state=self._state, epsilon=self._epsilon,
+            is_leader=lambda: self._world is not None and self._world.is_leader(), finished=self._stop)
+        others = lambda: progress.region_records(everyone=self.rule.world_group)  # noqa: E731
+        self._averager = RegionAverager(tensors=template, dht=net.dht, run_id=m.run_id,
+                                        region=ALL_REGIONS if self.rule.world_group else cfg.region,
+                                        averaging=m.averaging, fingerprint=m.fingerprint())
+        self._server = StateServer(averager=self._averager, state=self._state, stats=self.stats, rule=self.rule,
+                                   fingerprint=m.fingerprint())
+        parts = dict(config=cfg, rule=self.rule, member=self._member, state=self._state, stats=self.stats,
+                     server=self._server)
+        if not resumed:
+            joining.late_join(others=others(), trace=self._trace, **parts)
+        self._server.publish()
+        if self.rule.has_world_rounds:
+            self._world = WorldRounds(dht=net.dht, validators=net.validators, dht_lock=self._dht_lock, config=cfg,
+                                      manifest=m, peer_id=self.peer_id, rule=self.rule, state=self._state,
+                                      stats=self.stats, member=self._member, server=self._server, trace=self._trace,
+                                      stopping=self._stop.is_set)
+        world = self._world
+        self._round = RegionRound(
+            rule=self.rule, averaging=m.averaging, averager=self._averager, state=self._state, stats=self.stats,
+            member=self._member, server=self._server, region=cfg.region, label=self.label, started=self._started,
+            payload_bytes=sum(t.numel() * 4 for t in template), fetch_others=others, publish=progress.publish,
+            stopping=self._stop.is_set, trace=self._trace,
+            before_average=world.maybe_adopt if world else lambda: None,
+            on_averaged=(lambda result: world.count(gathered_tokens(result))) if world else lambda result: None,
+            on_alone=self._region_of_one,
+            on_refresh=lambda missed: joining.refresh_joined_anchor(missed, **parts))
+        progress.start()
+
+    def _region_of_one(self, no_live_peer: bool) -> None:
+        """A region whose only live peer is this one still takes part in world rounds: its model is
+        this peer's (the region round of one member, as in the simulator: the agreed model is the
+        member's own), it adopts world changes by its evidence, and as its leader it runs world
+        rounds on schedule."""
+        if not no_live_peer or self._world is None:
+            return
+        s = self.stats
+        self._world.maybe_adopt()
+        self._state.anchor = self._member.params()
+        tokens, s.tokens_since_round = float(s.tokens_since_round), 0
+        self._server.publish(round_index=s.round + 1)
+        self._world.count(tokens)
+
+    # ------------------------------------------------------------------ the run loop
+    def run(self) -> dict[str, Any]:
+        """Set up, train until a limit or :meth:`stop`, and return the summary."""
+        self._setup()
+        cfg, s, m = self.config, self.stats, self.manifest
+        H = m.train.inner_steps
+        self._progress.train_started = time.monotonic()
+        logger.info("training %s on %s: %d train tokens, %d valid tokens, device %s", m.model.preset, cfg.data,
+                    self.trainer.data.train.numel(), self.trainer.data.valid.numel(), self.trainer.device)
+        last_ckpt = s.step
+        while not self._stop.is_set() and not self._done():
+            result = self.trainer.train_step(s.step)
+            s.count_step(tokens=result.tokens, loss=result.loss)
+            if self._world is not None:
+                self._world.collect()  # a world round this peer led has finished
+            if s.step % H == 0:
+                s.history_point()
+                if self.rule.strategy.averages:
+                    self._round.run()
+            if s.step % cfg.checkpoint_every == 0:
+                self._checkpoint()
+                last_ckpt = s.step
+        if s.step != last_ckpt or (cfg.checkpoint_dir and s.step == 0):
+            self._checkpoint()
+        self._stop.set()
+        self._progress.publish()  # finished=True: barriers stop waiting for us
+        return self.summary(final_eval=True)
+
+    def _done(self) -> bool:
+        cfg, s = self.config, self.stats
+        return (cfg.max_steps is not None and s.step >= cfg.max_steps) or (
+            cfg.max_tokens is not None and s.tokens >= cfg.max_tokens)
+
+    # ------------------------------------------------------------------ traces, epsilon
+    def _trace(self, name: str, payload: dict[str, Any]) -> None:
+        if not self.config.trace_dir:
+            return
+        path = Path(self.config.trace_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / f".{self.label}-{name}.tmp"
+        torch.save(dict(payload, peer_id=self.peer_id, label=self.label, step=self.stats.step), tmp)
+        os.replace(tmp, path / f"{self.label}-{name}.pt")
+
+    def _epsilon(self) -> float:
+        """The DP-SGD epsilon this peer has spent (-1: DP-SGD is off)."""
+        eps = self._member.trainer.epsilon() if self._member is not None else None
+        return -1.0 if eps is None else float(eps)
+
+    def _checkpoint(self) -> None:
+        checkpoints.write(self.config, self.manifest, member=self._member, state=self._state, stats=self.stats,
+                          label=self.label, peer_id=self.peer_id)
+
+    # ------------------------------------------------------------------ summary and shutdown
+    def summary(self, *, final_eval: bool = False) -> dict[str, Any]:
+        m, border = self.manifest, self._state.border if self._state else None
+        out = dict(self.stats.summary_view(), region=self.config.region, label=self.label, peer_id=self.peer_id,
+                   data=str(self.config.data),
+                   tokens_per_s=self._progress.record().tokens_per_s if self._progress else 0.0,
+                   inner_steps=m.train.inner_steps if m else None,
+                   epsilon=self._epsilon() if self._member is not None and self._epsilon() >= 0 else None,
+                   border_epsilon=border.epsilon() if border is not None else None,
+                   strategy=m.aggregation.strategy if m else None)
+        if final_eval and m is not None:
+            out["valid_loss"] = self.trainer.evaluate()
+        if self.config.summary_path:
+            path = Path(self.config.summary_path)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps(out, indent=2))
+            os.replace(tmp, path)
+        return out
+
+    def shutdown(self) -> None:
+        """Stop background processes (world rounds, averager, DHT and its p2p daemon). Safe to call twice."""
+        self._stop.set()
+        world, self._world = self._world, None
+        if world is not None:
+            world.shutdown()
+        if self._progress is not None:
+            self._progress.join(timeout=5)
+        averager, self._averager = self._averager, None
+        if averager is not None:
+            try:
+                averager.shutdown()
+            except Exception as e:
+                logger.debug("averager shutdown: %s", e)
+        if self._net is not None:
+            try:
+                self._net.dht.shutdown()
+            except Exception as e:
+                logger.debug("DHT shutdown: %s", e)
+            self._net = None

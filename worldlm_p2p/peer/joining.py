@@ -1,0 +1,211 @@
+"""Joining a run: the network and the manifest, the checks a region's policy makes, the local
+training parts the manifest asks for, and where this peer's model starts when it has no checkpoint
+(:mod:`.checkpoints`): the region's current model from a live peer, or the run's common
+initialisation."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from worldlm_p2p import rounds
+from worldlm_p2p.config import PeerConfig, RunManifest, manifest_conflicts, privacy_violations
+from worldlm_p2p.errors import ConfigError, DataError, ManifestError
+from worldlm_p2p.net import records
+from worldlm_p2p.net.dht import ensure_identity, start_dht
+from worldlm_p2p.net.records import fetch_run_manifest
+from worldlm_p2p.split import split_parameters
+from worldlm_p2p.strategies import strategy as strategy_of
+from worldlm_p2p.strategies import with_border_dp
+from worldlm_p2p.train import (LocalTrainer, TokenData, build_model, hold_out_tune, load_tokenizer, peer_data_seed,
+                               resolve_device, tokenize_splits)
+from worldlm_p2p.train.dp import peer_dp_config
+
+from worldlm_p2p.peer.member import Member
+from worldlm_p2p.peer.serving import StateServer
+from worldlm_p2p.peer.state import RegionState
+from worldlm_p2p.peer.stats import PeerStats
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------- network
+@dataclass(frozen=True, slots=True)
+class Network:
+    dht: Any
+    validators: list
+    manifest: RunManifest
+    peer_id: str
+
+
+def connect(config: PeerConfig, *, stopping: Callable[[], bool]) -> Network:
+    """Join the DHT (bounded retries), fetch the run manifest and refuse to go on when a local
+    setting or this region's privacy contradicts it."""
+    key = ensure_identity(config.net.identity_path) if config.net.identity_path else None
+    if key is None:
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        key = RSAPrivateKey()
+    # the run id is known only after the manifest is fetched; start with the runs schema and add the
+    # progress schema once the run is known
+    validators = records.make_validators(None, key)
+    dht = start_dht(config.net, record_validators=validators)
+    try:
+        manifest = fetch_run_manifest(dht, run_id=config.run_id, wait=config.manifest_wait, should_stop=stopping)
+        conflicts = manifest_conflicts(manifest, config.local_overrides)
+        if conflicts:
+            more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
+            raise ManifestError(f"local setting contradicts the run manifest: {conflicts[0]}{more}")
+        check_privacy(config, manifest)
+    except BaseException:
+        dht.shutdown()
+        raise
+    dht.add_validators(records.make_validators(manifest.run_id, key)[2:])
+    logger.info("joined run %s (manifest %s) as %s in region %s", manifest.run_id, manifest.fingerprint(),
+                dht.peer_id, config.region)
+    return Network(dht=dht, validators=validators, manifest=manifest, peer_id=str(dht.peer_id))
+
+
+def check_privacy(config: PeerConfig, manifest: RunManifest) -> None:
+    """Refuse to start when this region's privacy settings break the run's policy (the manifest's
+    ``[privacy]`` minimums), with the reason."""
+    pv = config.privacy
+    violations = privacy_violations(manifest.privacy, pv)
+    if violations:
+        more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
+        raise ConfigError(f"this region's privacy settings break the run's policy: {violations[0]}{more}")
+    if pv.border and not strategy_of(manifest.aggregation.strategy).border_dp_in("swarm"):
+        raise ConfigError(f"privacy.border_clip: border DP is applied by region leaders at world rounds; strategy "
+                          f"{manifest.aggregation.strategy} has none ({' and '.join(with_border_dp('swarm'))} do)")
+
+
+def check_projected_epsilon(config: PeerConfig, manifest: RunManifest, dp: Any) -> None:
+    """A peer that gives a noise multiplier is checked against the run's epsilon limit once its
+    sampling rate is known (its data size): what it would spend over --max-steps. Without
+    --max-steps its spending has no bound, so it is refused. ``dp``: the trainer's DP-SGD (None: off)."""
+    limit = manifest.privacy.max_peer_epsilon
+    if dp is None or limit <= 0 or config.privacy.peer_epsilon > 0:
+        return
+    if config.max_steps is None:
+        raise ConfigError(f"privacy.peer_noise: the run limits every peer to epsilon {limit:g}; with a noise "
+                          "multiplier the spending is bounded only by --max-steps: give --max-steps")
+    spent = dp.projected_epsilon(config.max_steps)
+    if spent > limit:
+        raise ConfigError(f"privacy.peer_noise {dp.noise_multiplier:g} would spend epsilon {spent:.3g} over "
+                          f"{config.max_steps} steps, more than the run's max_peer_epsilon {limit:g}: "
+                          "raise the noise or lower --max-steps")
+
+
+# ---------------------------------------------------------------------------------- local parts
+@dataclass(frozen=True, slots=True)
+class Local:
+    tokenizer: Any
+    data: TokenData
+    device: torch.device
+    model: torch.nn.Module
+    trainer: LocalTrainer
+    rule: rounds.RoundRule
+
+
+def build_local(config: PeerConfig, manifest: RunManifest, splits) -> Local:
+    """The tokenizer, data (less the tune slice evidence mixing holds apart), model (the run's
+    common init: the same seed on every peer) and trainer the manifest asks for, and the round rule."""
+    m, agg = manifest, manifest.aggregation
+    tokenizer = load_tokenizer(m.tokenizer)
+    data = tokenize_splits(splits, tokenizer)
+    if strategy_of(agg.strategy).mixes and agg.mix == "evidence":  # the tune slice: evidence for mixing
+        data = hold_out_tune(data, fraction=agg.tune_fraction, max_tokens=agg.tune_tokens, seq_len=m.train.seq_len,
+                             eos_id=tokenizer.eos_id, pieces=agg.tune_pieces)
+        if config.privacy.peer and data.tune.numel():
+            logger.warning("DP-SGD covers the training text; the tune slice (%d tokens held apart for "
+                           "evidence mixing) is outside its guarantee: the mixing weight chosen on it each "
+                           "round is not accounted", data.tune.numel())
+    if data.train.numel() < m.train.seq_len + 1:
+        raise DataError(f"data {config.data} has {data.train.numel()} tokens, fewer than one "
+                        f"training window of {m.train.seq_len + 1}")
+    device = resolve_device(config.device)
+    model = build_model(m.model, vocab_size=tokenizer.vocab_size, seed=m.train.seed).to(device)
+    pv = config.privacy
+    dp = peer_dp_config(epsilon=pv.peer_epsilon, noise=pv.peer_noise, clip=pv.peer_clip, delta=pv.peer_delta,
+                        steps=config.max_steps, secure_rng=True)
+    label = config.label or Path(config.data).name or config.region
+    trainer = LocalTrainer(model=model, train=m.train, data=data, device=device,
+                           seed=peer_data_seed(m.train.seed, label), dp=dp)
+    check_projected_epsilon(config, manifest, trainer.dp)
+    try:
+        split = split_parameters([n for n, _ in model.named_parameters()], agg.key_layers)
+    except ValueError as e:
+        raise ConfigError(f"aggregation.key_layers: {e}") from None
+    rule = rounds.RoundRule.from_config(agg, split, seed=m.train.seed)
+    return Local(tokenizer=tokenizer, data=data, device=device, model=model, trainer=trainer, rule=rule)
+
+
+def log_strategy(rule: rounds.RoundRule) -> None:
+    kind, agg = rule.strategy, rule.config
+    if not kind.averages:
+        logger.info("strategy %s: this peer never averages", kind.name)
+    elif kind.attentive:
+        logger.info("strategy %s: region rounds average the backbone by token-weighted mean (outer %s) and "
+                    "the %d key layers (%s) by %s attention (tau %g, eps %g); world rounds every %d region "
+                    "rounds", kind.name, agg.outer, len(rule.split.key), agg.key_layers, agg.attention, agg.tau,
+                    agg.eps, agg.world_every)
+    else:
+        logger.info("strategy %s: %s rounds (outer %s)%s", kind.name,
+                    "world-group" if rule.world_group else "region", agg.outer,
+                    f", the {len(rule.split.key)} key layers ({agg.key_layers}) stay with each peer"
+                    if kind.personal_key else "")
+
+
+# --------------------------------------------------------------------------- where a model starts
+def region_model(served, *, rule: rounds.RoundRule, member: Member) -> list[torch.Tensor]:
+    """The agreed model of a served state as this peer's start: with per-peer key layers
+    (:attr:`~worldlm_p2p.strategies.Strategy.personal_key`) this peer keeps its own."""
+    if rule.strategy.personal_key:
+        return rule.split.merge(rule.split.take_backbone(served.agreed), rule.split.take_key(member.params()))
+    return list(served.agreed)
+
+
+def late_join(config: PeerConfig, *, others: list, rule: rounds.RoundRule, member: Member, state: RegionState,
+              stats: PeerStats, server: StateServer, trace: Callable[[str, dict], None]) -> None:
+    """Load the region's current model from a live peer when the region has averaged already."""
+    live = [r for r in others if not r.finished]
+    if not live:
+        logger.info("no live peer in region %s yet: starting from the run's common initialisation", config.region)
+        return
+    if all(r.rounds_completed == 0 and r.round == 0 for r in live):
+        logger.info("region %s has not averaged yet: its model is the run's common initialisation", config.region)
+        return
+    logger.info("region %s has %d live peer(s): loading its current model", config.region, len(live))
+    served = server.download_region(timeout=config.join_state_timeout)
+    if served is None:
+        return
+    state.anchor, state.momentum = region_model(served, rule=rule, member=member), served.momentum or None
+    member.set(state.anchor)
+    stats.round = served.round
+    stats.world_round = served.world_round
+    if served.world_round >= 0:
+        state.world_ref = None
+    state.adopt_border_history(served.border_history)
+    stats.started_from = "region"
+    trace("join", dict(meta=served.encode()[0] | dict(round=served.round), tensors=state.anchor))
+    logger.info("loaded the region model of round %d from a peer", stats.round)
+
+
+def refresh_joined_anchor(missed: int, *, config: PeerConfig, rule: rounds.RoundRule, member: Member,
+                          state: RegionState, stats: PeerStats, server: StateServer) -> None:
+    """A peer that joined from the region's state and then finds the region ahead of it at its
+    first barrier (the region's lone peer held region rounds of one while this one started) holds
+    a stale anchor; every member of a round must hold the same one (the reference of the K
+    attention and of the pure round), so it downloads the region's current agreed model again.
+    Its own model, trained meanwhile, is kept: that is its contribution."""
+    served = server.download_region(timeout=config.join_state_timeout)
+    if served is None or served.round < stats.round:
+        return  # not newer than what this peer holds
+    state.anchor, state.momentum = region_model(served, rule=rule, member=member), served.momentum or None
+    logger.info("the region moved %d round(s) ahead while this peer joined: took its agreed model of "
+                "round %d as the reference", missed, served.round)
+

@@ -1,0 +1,55 @@
+"""This peer's own model as a member of its region: its parameters, its tune-slice evidence and
+the mixing choices it made (knows nothing of the network)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable
+
+import torch
+
+from worldlm_p2p.rounds import RoundRule
+from worldlm_p2p.train import LocalTrainer, get_flat_params, set_params
+
+from worldlm_p2p.peer.stats import PeerStats
+
+logger = logging.getLogger(__name__)
+
+
+class Member:
+    def __init__(self, *, model: torch.nn.Module, trainer: LocalTrainer, rule: RoundRule, stats: PeerStats) -> None:
+        self.model, self.trainer, self.rule, self.stats = model, trainer, rule, stats
+
+    def params(self) -> list[torch.Tensor]:
+        """A CPU copy of the model's parameters."""
+        return get_flat_params(self.model)
+
+    def set(self, params: list[torch.Tensor]) -> None:
+        set_params(self.model, params)
+
+    def loss_of(self) -> Callable | None:
+        """This peer's tune-slice loss of a parameter list (None without a slice: no evidence). It
+        leaves the parameters tried in the model; the caller sets the one it settles on."""
+        if not self.rule.evidence or self.trainer.data.tune.numel() < 2:
+            return None
+        return self.trainer.tune_losses if self.rule.windowed else self.trainer.tune_loss
+
+    def mix_safely(self, search: Callable, *, own: list[torch.Tensor]):
+        """Run a mixing search; if evaluating the tune slice fails (out of memory, say), keep the
+        own model (a search leaves trial parameters in the model) and say so, rather than stop."""
+        try:
+            return search()
+        except Exception as e:
+            logger.warning("evidence mixing failed (%s: %s): keeping this peer's own model", type(e).__name__, e)
+            set_params(self.model, own)
+            return [t.detach().clone() for t in own], None
+
+    def record_mix(self, kind: str, index: int, choice) -> None:
+        lam = choice.lam if choice is not None else 0.0
+        gain = choice.gain if choice is not None and math.isfinite(choice.gain) else 0.0
+        self.stats.mixes.append(dict(kind=kind, round=int(index), step=self.stats.step, lam=lam, gain=gain))
+        logger.info("%s round %d: took %.3g of the %s (tune-slice loss %.4f -> %.4f)", kind, index, lam,
+                    "region's agreed model" if kind == "region" else "world's change",
+                    choice.own_loss if choice is not None else float("nan"),
+                    choice.loss if choice is not None else float("nan"))

@@ -1,0 +1,74 @@
+"""This peer's progress record, published to the DHT every few seconds and at every round (what the
+monitor shows and what the region's barrier reads)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Callable
+
+from worldlm_p2p.config import PeerConfig, RunManifest
+from worldlm_p2p.net import records
+
+from worldlm_p2p.peer.state import RegionState
+from worldlm_p2p.peer.stats import PeerStats
+
+logger = logging.getLogger(__name__)
+
+
+class Progress:
+    def __init__(self, *, dht, validators, dht_lock: threading.Lock, config: PeerConfig, manifest: RunManifest,
+                 peer_id: str, label: str, stats: PeerStats, state: RegionState, epsilon: Callable[[], float],
+                 is_leader: Callable[[], bool], finished: threading.Event) -> None:
+        self.dht, self.validators, self.dht_lock = dht, validators, dht_lock
+        self.config, self.manifest, self.peer_id, self.label = config, manifest, peer_id, label
+        self.stats, self.state, self.epsilon, self.is_leader, self.finished = stats, state, epsilon, is_leader, finished
+        self.train_started: float | None = None
+        self._thread: threading.Thread | None = None
+
+    def record(self) -> records.ProgressRecord:
+        s, border = self.stats, self.state.border
+        elapsed = time.monotonic() - self.train_started if self.train_started else 0.0
+        return records.ProgressRecord(
+            region=self.config.region, peer_id=self.peer_id, label=self.label[:256], step=s.step, tokens=s.tokens,
+            train_loss=s.last_train_loss if math.isfinite(s.last_train_loss) else 0.0,
+            tokens_per_s=(s.tokens - s.initial_tokens) / elapsed if elapsed > 0 else 0.0,
+            rounds_completed=s.rounds_completed, last_group_size=s.group_sizes[-1] if s.group_sizes else 0,
+            bytes_sent=s.bytes_sent, bytes_received=s.bytes_received, round=s.round,
+            waiting_for_round=s.waiting_for_round, fingerprint=self.manifest.fingerprint(), time=time.time(),
+            finished=self.finished.is_set(), world_round=s.world_round, leader=self.is_leader(),
+            loss_trend=tuple(h["loss"] for h in s.history[-records.MAX_LOSS_TREND:]), epsilon=self.epsilon(),
+            border_epsilon=border.epsilon() if border is not None else -1.0,
+            border_releases=border.releases if border is not None else -1,
+            mix_region=s.recent_mix("region"), mix_world=s.recent_mix("world"))
+
+    def publish(self) -> None:
+        try:
+            with self.dht_lock:
+                records.publish_progress(self.dht, self.validators, self.manifest.run_id, self.record(),
+                                         ttl=self.config.progress_ttl)
+        except Exception as e:  # the DHT may be shutting down
+            logger.debug("could not publish progress: %s", e)
+
+    def region_records(self, *, everyone: bool) -> list[records.ProgressRecord]:
+        """The records of the other live members of this peer's group (``everyone``: of the whole run)."""
+        with self.dht_lock:
+            recs = records.fetch_progress(self.dht, self.manifest.run_id)
+        return [r for r in recs if (everyone or r.region == self.config.region)
+                and r.peer_id != self.peer_id and r.fingerprint == self.manifest.fingerprint()]
+
+    def start(self) -> None:
+        """Publish now and then every ``progress_interval`` seconds until ``finished`` is set."""
+        self.publish()
+        self._thread = threading.Thread(target=self._loop, name="progress", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self.finished.wait(self.config.progress_interval):
+            self.publish()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)

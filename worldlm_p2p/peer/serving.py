@@ -1,0 +1,57 @@
+"""State serving: what this peer serves to its region (late joiners, members fetching a world
+change) and what it downloads from others, through the averager's state sharing and the one codec
+(:class:`worldlm_p2p.codec.ServedState`)."""
+
+from __future__ import annotations
+
+import logging
+
+from worldlm_p2p.codec import ServedState, StateError
+from worldlm_p2p.net.averaging import RegionAverager
+from worldlm_p2p.rounds import RoundRule, border_shared
+
+from worldlm_p2p.peer.state import RegionState
+from worldlm_p2p.peer.stats import PeerStats
+
+logger = logging.getLogger(__name__)
+
+
+class StateServer:
+    def __init__(self, *, averager: RegionAverager, state: RegionState, stats: PeerStats, rule: RoundRule,
+                 fingerprint: str) -> None:
+        self.averager, self.state, self.stats, self.rule, self.fingerprint = averager, state, stats, rule, fingerprint
+
+    def publish(self, round_index: int | None = None) -> None:
+        """Serve the region's agreed model of ``round_index`` (default: the next round), the outer
+        momentum, the last world change and the border history. Main thread only."""
+        served = self.state.served(round_index=self.stats.round if round_index is None else round_index,
+                                   world_round=self.stats.world_round)
+        meta, tensors = served.encode()
+        self.averager.set_shared_state(round_index=served.round, tensors=tensors, **meta)
+
+    def _decode(self, loaded, *, what: str) -> ServedState | None:
+        if loaded is None:
+            return None
+        meta, tensors = loaded
+        template = self.state.anchor
+        try:
+            return ServedState.decode(meta, tensors, template=template, backbone=self.rule.backbone(template),
+                                      shared=[template[i] for i in border_shared(self.rule)],
+                                      fingerprint=self.fingerprint)
+        except StateError as e:
+            logger.warning("rejected %s from a peer: %s", what, e)
+            return None
+
+    def download_region(self, *, timeout: float) -> ServedState | None:
+        """The region's state from whichever live peer serves the most recent one (None, logged,
+        when none arrives in time or it does not fit this run)."""
+        loaded = self.averager.download_region_state(timeout=timeout)
+        if loaded is None:
+            logger.warning("could not download the region's model within %.0fs; keeping the model this peer has",
+                           timeout)
+            return None
+        return self._decode(loaded, what="region state")
+
+    def download_from(self, peer_id: str, *, timeout: float) -> ServedState | None:
+        """The state ``peer_id`` serves (None when it does not answer or the state is unusable)."""
+        return self._decode(self.averager.download_state_from(peer_id, timeout=timeout), what="the state served")

@@ -1,0 +1,238 @@
+"""World rounds, as this peer takes part in them: the leader's side (lease, border release, the
+world round in the background, its typed result) and every member's (download the leader's change
+and adopt it at the region round the leader set).
+
+Threads: the world round runs on its own thread over a snapshot of the region's agreed model and
+hands back a :class:`~worldlm_p2p.codec.WorldChange` through :attr:`WorldRounds._finished`; the main
+thread takes it in :meth:`WorldRounds.collect` (called after every training step), so that the
+region's state (:class:`~worldlm_p2p.peer.state.RegionState`) has one writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from hivemind.utils.timed_storage import get_dht_time
+
+from worldlm_p2p import rounds
+from worldlm_p2p.codec import WorldChange
+from worldlm_p2p.config import PeerConfig, RunManifest
+from worldlm_p2p.net.leader import LeaderLease, elect
+
+from worldlm_p2p.peer.member import Member
+from worldlm_p2p.peer.serving import StateServer
+from worldlm_p2p.peer.state import RegionState
+from worldlm_p2p.peer.stats import PeerStats
+
+logger = logging.getLogger(__name__)
+
+WORLD_PATIENCE_ROUNDS = 6  # a leader looks for the other leaders for up to this many all-reduce timeouts
+
+
+@dataclass(frozen=True, slots=True)
+class _Finished:
+    """What the world-round thread hands back: the change of the region's model, the world model's
+    shared part (border DP), and what the leader's trace records."""
+
+    world_round: int
+    delta: list[torch.Tensor]
+    reference: list[torch.Tensor] | None
+    bytes_sent: int
+    trace: dict[str, Any]
+    regions: tuple[str, ...]
+    seconds: float
+
+
+class WorldRounds:
+    def __init__(self, *, dht, validators, dht_lock: threading.Lock, config: PeerConfig, manifest: RunManifest,
+                 peer_id: str, rule: rounds.RoundRule, state: RegionState, stats: PeerStats, member: Member,
+                 server: StateServer, trace: Callable[[str, dict], None], stopping: Callable[[], bool]) -> None:
+        self.dht, self.validators, self.dht_lock = dht, validators, dht_lock
+        self.config, self.manifest, self.peer_id, self.rule = config, manifest, peer_id, rule
+        self.state, self.stats, self.member, self.server, self.trace = state, stats, member, server, trace
+        self.stopping = stopping
+        self.tokens_since_world = 0.0
+        self._exchange = None  # a WorldExchange, created when this peer first leads a world round
+        self._thread: threading.Thread | None = None
+        self._finished: _Finished | None = None  # set by the world-round thread, taken by collect()
+        m = manifest
+        self.lease = LeaderLease(dht=dht, validators=validators, run_id=m.run_id, region=config.region,
+                                 peer_id=peer_id, fingerprint=m.fingerprint(), ttl=m.averaging.leader_ttl,
+                                 lock=dht_lock, world_round=stats.world_round)
+        if state.border is not None and state.world_ref is None:
+            # a late joiner does not know the last world model, the reference of border deltas:
+            # it may lead only after it has adopted a world round
+            self.lease.eligible = False
+        self.lease.start()
+
+    def is_leader(self) -> bool:
+        return self.lease.is_leader()
+
+    def live_leaders(self) -> int:
+        leases = self.lease.leases()
+        now, fp = get_dht_time(), self.manifest.fingerprint()
+        return sum(1 for region in {r.region for r in leases}
+                   if elect(leases, region=region, now=now, fingerprint=fp) is not None)
+
+    # ------------------------------------------------------------------ leader side
+    def count(self, tokens: float) -> None:
+        """Count a region round and its tokens towards the next world round; a leader starts one every
+        ``world_every`` region rounds, in the background (training and region rounds go on)."""
+        s, m = self.stats, self.manifest
+        self.collect()
+        s.rounds_since_world += 1
+        self.tokens_since_world += tokens
+        if s.rounds_since_world < m.aggregation.world_every or not self.lease.is_leader():
+            return
+        if self.live_leaders() < 2:
+            logger.debug("no other region has a leader: no world round")
+            return
+        if self._thread is not None and self._thread.is_alive():
+            logger.info("world round still in progress; the next one waits")
+            return
+        last = max(s.world_round, self.state.change.world_round if self.state.change else -1)
+        snapshot = self.state.snapshot()
+        if self._exchange is None:  # hivemind averagers must be created from the main thread
+            from worldlm_p2p.net.world import WorldExchange
+
+            self._exchange = WorldExchange(dht=self.dht, validators=self.validators, dht_lock=self.dht_lock,
+                                           run_id=m.run_id, region=self.config.region, peer_id=self.peer_id,
+                                           fingerprint=m.fingerprint(), rule=self.rule, averaging=m.averaging,
+                                           template=snapshot)
+        tokens = self.tokens_since_world
+        s.rounds_since_world, self.tokens_since_world = 0, 0.0
+        sent, released = self._border_release(snapshot)
+        self._thread = threading.Thread(target=self._run, args=(last + 1, snapshot, tokens, sent, released),
+                                        name="world-round", daemon=True)
+        self._thread.start()
+
+    def _border_release(self, snapshot: list[torch.Tensor]) -> tuple[list[torch.Tensor] | None, dict[str, Any]]:
+        """Under border DP (this region's policy), what the leader sends instead of the region's model:
+        the last world model plus the clipped, noised change of the backbone. The noise seed is drawn
+        from the OS's secure generator and never leaves this process (only the audit trace keeps it)."""
+        pv, border = self.config.privacy, self.state.border
+        if border is None:
+            return None, {}
+        seed = secrets.randbits(63)
+        sent, rec = rounds.border_release(self.rule, snapshot, self.state.world_ref, clip=pv.border_clip,
+                                          noise_multiplier=pv.border_noise,
+                                          generator=torch.Generator().manual_seed(seed))
+        border.record(pv.border_noise)  # counted when it is first offered to the other leaders
+        logger.info("border DP: the region's backbone change (norm %.4g) leaves clipped to %.4g with noise std %.4g; "
+                    "region epsilon now %.3g (delta %g)", rec.norm, rec.clipped_norm, rec.noise_std,
+                    border.epsilon(), border.delta)
+        return sent, dict(sent=sent, reference=self.state.world_ref, noise_seed=seed, clip=pv.border_clip,
+                          noise=pv.border_noise, norm=rec.norm, clipped_norm=rec.clipped_norm)
+
+    def _run(self, w: int, snapshot: list[torch.Tensor], tokens: float, sent: list[torch.Tensor] | None,
+             released: dict[str, Any]) -> None:
+        """The world-round thread: reads only its arguments, writes only :attr:`_finished`."""
+        lease = self.lease
+        try:
+            out = self._exchange.run(world_round=w, region_model=snapshot, tokens=tokens, sent=sent,
+                                     expected_leaders=self.live_leaders,
+                                     patience=WORLD_PATIENCE_ROUNDS * self.manifest.averaging.averaging_timeout,
+                                     should_stop=lambda: self.stopping() or not lease.is_leader())
+        except Exception as e:  # never kill the peer for a world round
+            logger.warning("world round %d failed: %s: %s", w, type(e).__name__, e)
+            return
+        if not out.ok:
+            logger.warning("world round %d failed (%s); the region keeps its model", w, out.error)
+            return
+        delta = [n.to(torch.float32) - a for n, a in zip(out.model, snapshot)]
+        ref = ([out.world[i].to(torch.float32).clone() for i in rounds.border_shared(self.rule)]
+               if self.state.border is not None else None)
+        self._finished = _Finished(world_round=out.world_round, delta=delta, reference=ref, bytes_sent=out.bytes_sent,
+                                   regions=tuple(out.regions), seconds=out.seconds,
+                                   trace=dict(snapshot=snapshot, model=out.model, regions=list(out.regions),
+                                              fetched=list(out.fetched), weights=out.weights, tokens=tokens,
+                                              **(released or {})))
+
+    def collect(self) -> None:
+        """Main thread, after every step: take a finished world round into the region's state, serve
+        it and tell the region (the leader's lease record carries the world round)."""
+        done, self._finished = self._finished, None
+        if done is None:
+            return
+        # the region applies it at the same region round: the next but one, so that every member has
+        # a whole round to see the leader's record and download the change (the barrier keeps the
+        # members' round indices in step)
+        c = WorldChange(world_round=done.world_round, delta=done.delta, apply_round=self.stats.round + 1,
+                        source=self.peer_id, reference=done.reference)
+        self.state.change = c
+        self.stats.world_rounds_led += 1
+        self.stats.bytes_sent_border += done.bytes_sent
+        self.server.publish()
+        self.lease.world_round = c.world_round
+        self.lease.renew()  # tell the region now, not at the next renewal
+        self.trace(f"world-{c.world_round:05d}-leader", done.trace)
+        logger.info("world round %d: with the leaders of %s in %.2fs; the region adopts it at its next round",
+                    c.world_round, ", ".join(done.regions), done.seconds)
+
+    # ------------------------------------------------------------------ member side
+    def maybe_adopt(self) -> None:
+        """Before a region round: fetch the leader's latest world result as soon as it is announced,
+        and adopt it at the region round the leader set, the same one for every member (rebase: the
+        change the world round made to the region's model is added to this peer's model and anchor,
+        so the local progress made meanwhile is kept)."""
+        s = self.stats
+        self.collect()
+        leader = self.lease.leader()
+        known = self.state.change
+        if (leader is not None and leader.peer_id != self.peer_id and leader.world_round > s.world_round
+                and (known is None or known.world_round < leader.world_round)):
+            known = self._download(leader) or known
+        if known is None or known.world_round <= s.world_round or s.round < known.apply_round:
+            return
+        params = self.member.params()
+        adopted, mix = self.member.mix_safely(lambda: rounds.member_world_mix(
+            self.rule, own=params, change=known.delta, loss_of=self.member.loss_of()), own=params)
+        self.member.set(adopted)
+        if self.rule.evidence and self.rule.config.mix_world:
+            self.member.record_mix("world", known.world_round, mix)
+        self.state.rebase(known.delta)
+        if self.state.border is not None and known.reference is not None:
+            self.state.set_world_reference(rounds.border_shared(self.rule), known.reference)
+            self.lease.eligible = True
+        s.world_round, s.world_rounds_adopted = known.world_round, s.world_rounds_adopted + 1
+        self.lease.world_round = max(self.lease.world_round, known.world_round)
+        self.server.publish()
+        self.trace(f"world-{known.world_round:05d}", dict(
+            delta=known.delta, world_round=known.world_round, anchor=self.state.anchor, round=s.round,
+            leader=known.source, before=params, after=adopted, mix_lam=mix.lam if mix is not None else None))
+        logger.info("adopted world round %d at region round %d", known.world_round, s.round)
+
+    def _download(self, leader) -> WorldChange | None:
+        served = self.server.download_from(leader.peer_id, timeout=self.manifest.averaging.averaging_timeout)
+        if served is None:
+            logger.warning("could not download world round %d from the leader; retrying at the next round",
+                           leader.world_round)
+            return None
+        c = served.change
+        if c is None or c.world_round != leader.world_round:
+            logger.warning("rejected the world change served by the leader (stale: world round %s, the leader "
+                           "announced %d)", c.world_round if c else "none", leader.world_round)
+            return None
+        self.state.adopt_border_history(served.border_history)
+        change = WorldChange(world_round=leader.world_round, delta=c.delta, apply_round=c.apply_round,
+                             source=c.source or leader.peer_id,
+                             reference=c.reference if self.state.border is not None else None)
+        self.state.change = change
+        return change
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self) -> None:
+        try:
+            self.lease.stop(withdraw=True, timeout=5)
+        except Exception as e:
+            logger.debug("lease stop: %s", e)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self._exchange is not None:
+            self._exchange.shutdown()
+            self._exchange = None
