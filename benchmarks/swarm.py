@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import signal
 import statistics
 import subprocess
@@ -60,14 +59,6 @@ if str(REPO) not in sys.path:  # runnable from a checkout without installing
 REGION = "bench"
 THREADS = 1
 
-# log lines of worldlm_p2p/peer.py that mark the phases of a peer's start (see _LogWatcher)
-_MARKS = {
-    "joined": re.compile(r"joined run \S+ \(manifest"),
-    "training": re.compile(r"\btraining \S+ on "),
-    "round": re.compile(r"round (\d+): averaged with (\d+) peers in ([0-9.]+)s"),
-    "alone": re.compile(r"round \d+: no other live peer"),
-    "failed": re.compile(r"round \d+: all-reduce failed"),
-}
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -103,24 +94,10 @@ def _env() -> dict[str, str]:
 
 
 def _kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM then SIGKILL the process group of ``proc`` (started with start_new_session=True)."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
+    """Stop ``proc`` and its process group: the library's own helper, as worldlm-swarm uses it."""
+    from worldlm_p2p.swarm import stop_process_group
+
+    stop_process_group(proc, grace=grace)
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -171,17 +148,14 @@ def make_manifest(args, run_id: str, matchmaking_time: float | None = None):
 
 
 def _build_trainer(manifest_toml: Path, data: Path, seed: int):
-    """The same LocalTrainer a peer builds (peer.py _setup): manifest model, byte tokenizer, CPU."""
-    import torch
+    """The LocalTrainer a peer of this manifest builds on ``data`` (the peer's own construction,
+    :func:`worldlm_p2p.peer.joining.build_local`: tune slice, model init, data seed), on the CPU."""
+    from worldlm_p2p.config import PeerConfig, RunManifest
+    from worldlm_p2p.peer.joining import build_local
+    from worldlm_p2p.train import load_texts
 
-    from worldlm_p2p.config import RunManifest
-    from worldlm_p2p.train import LocalTrainer, build_model, load_texts, load_tokenizer, tokenize_splits
-
-    m = RunManifest.from_toml(manifest_toml)
-    tok = load_tokenizer(m.tokenizer)
-    tokens = tokenize_splits(load_texts(data), tok)
-    model = build_model(m.model, vocab_size=tok.vocab_size, seed=m.train.seed)
-    return LocalTrainer(model=model, train=m.train, data=tokens, device=torch.device("cpu"), seed=seed)
+    config = PeerConfig(region=REGION, data=str(data), label=f"alone-{seed}", device="cpu")
+    return build_local(config, RunManifest.from_toml(manifest_toml), load_texts(data)).trainer
 
 
 def _train_timed(trainer, steps: int) -> dict[str, Any]:
@@ -302,58 +276,25 @@ def run_alone(*, workers: int, steps: int, manifest_toml: Path, datas: list[Path
 # ----------------------------------------------------------------------------------- swarm
 
 
-class _LogWatcher:
-    """Tails every peer log and records the monotonic time each phase line first appears (the
-    peers' log lines only carry whole seconds). Resolution: the poll interval (~50 ms)."""
+def _peer_events(peers) -> dict[str, dict[str, Any]]:
+    """Per peer, from its structured event log (``--events``, :mod:`worldlm_p2p.peer.events`): when
+    it was spawned (this process's clock), joined and started training, and every round's outcome,
+    with the peer's own ``time.monotonic()`` (one clock for every process on Linux)."""
+    from worldlm_p2p.peer.events import read_events
 
-    def __init__(self, peers, poll: float = 0.05) -> None:
-        self._peers = peers
-        self._poll = poll
-        self._stop = threading.Event()
-        self.events: dict[str, dict[str, Any]] = {p.label: dict(spawned=p.started, rounds=[], alone=0, failed=0)
-                                                  for p in peers}
-        self._pos = {p.label: 0 for p in peers}
-        self._buf = {p.label: "" for p in peers}
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _scan(self) -> None:
-        now = time.monotonic()
-        for p in self._peers:
-            try:
-                with p.log_path.open("r", errors="replace") as f:
-                    f.seek(self._pos[p.label])
-                    chunk = f.read()
-                    self._pos[p.label] = f.tell()
-            except OSError:
-                continue
-            if not chunk:
-                continue
-            text = self._buf[p.label] + chunk
-            lines = text.split("\n")
-            self._buf[p.label] = lines.pop()  # incomplete last line
-            ev = self.events[p.label]
-            for line in lines:
-                for name in ("joined", "training"):
-                    if name not in ev and _MARKS[name].search(line):
-                        ev[name] = now
-                m = _MARKS["round"].search(line)
-                if m:
-                    ev["rounds"].append(dict(t=now, round=int(m.group(1)), group=int(m.group(2)),
-                                             seconds=float(m.group(3))))
-                if _MARKS["alone"].search(line):
-                    ev["alone"] += 1
-                if _MARKS["failed"].search(line):
-                    ev["failed"] += 1
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self._poll):
-            self._scan()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._scan()
+    out = {}
+    for p in peers:
+        ev: dict[str, Any] = dict(spawned=p.started, rounds=[], alone=0, failed=0)
+        for e in read_events(p.events_path) if p.events_path else []:
+            kind = e["event"]
+            if kind in ("joined", "training") and kind not in ev:
+                ev[kind] = e["mono"]
+            elif kind == "round" and e.get("outcome") == "averaged":
+                ev["rounds"].append(dict(t=e["mono"], round=e["round"], group=e["group_size"], seconds=e["seconds"]))
+            elif kind == "round" and e.get("outcome") in ("alone", "failed"):
+                ev[e["outcome"]] += 1
+        out[p.label] = ev
+    return out
 
 
 class _CpuSampler:
@@ -361,8 +302,8 @@ class _CpuSampler:
     groups (each CLI process leads its own group; hivemind's DHT and averager processes and the
     p2pd daemons stay in it), plus the busy time of the whole machine, so that the CPU of a
     steady-state window can be split into: training processes, hivemind child processes
-    (DHT + averager), p2pd daemons, the bootstrap node, this benchmark process (log watcher and
-    this sampler) and everything else on the machine."""
+    (DHT + averager), p2pd daemons, the bootstrap node, this benchmark process (this sampler)
+    and everything else on the machine."""
 
     def __init__(self, swarm, period: float = 0.5) -> None:
         self._swarm = swarm
@@ -474,24 +415,22 @@ def run_swarm(args, *, n: int, corpus: Path, tmp: Path, matchmaking_time: float 
                          startup_timeout=120.0, stop_timeout=30.0)
     swarm = LocalSwarm(config=config)
     deadline = time.monotonic() + args.swarm_timeout
-    watcher = None
+
     timed_out = False
     with swarm:  # __exit__ stops every process (SIGTERM, then SIGKILL of the process groups)
         t_start = time.monotonic()
         swarm.start()
         t_spawned = time.monotonic()
-        watcher = _LogWatcher(swarm.peers)
         sampler = _CpuSampler(swarm)
         try:
             swarm.wait(poll=0.2, should_stop=lambda: time.monotonic() > deadline)
             timed_out = bool(swarm.running())
         finally:
-            watcher.close()
             sampler.close()
     t_end = time.monotonic()
     summary = swarm.summary()
     peers = summary["peers"]
-    events = watcher.events
+    events = _peer_events(swarm.peers)
 
     pgids = {q.label: q.proc.pid for q in swarm.peers}  # each CLI process leads its own group
     tokens_per_round = args.inner_steps * args.batch_size * args.seq_len
@@ -501,7 +440,7 @@ def run_swarm(args, *, n: int, corpus: Path, tmp: Path, matchmaking_time: float 
         spawned = ev.get("spawned")
         rs = p.get("round_seconds") or []
         tps = p.get("tokens_per_s") or None
-        elapsed = p["tokens"] / tps if tps and p.get("tokens") else None  # training wall time (peer.py _record)
+        elapsed = p["tokens"] / tps if tps and p.get("tokens") else None  # training wall time (worldlm_p2p.peer.progress)
         rounds_done = p.get("rounds_completed") or 0
         first = ev["rounds"][0]["t"] - spawned if ev.get("rounds") else None
         inside = p.get("seconds_to_first_round")

@@ -1,4 +1,7 @@
-"""Shared pytest setup."""
+"""Shared pytest setup. The tests are laid out by kind: ``unit/`` (one process: the pure math,
+training, data, codecs, the simulator, reports), ``network/`` (hivemind processes on 127.0.0.1,
+fixtures in its conftest; the multi-process swarm tests are marked ``slow``) and ``cli/`` (the
+command-line tools as a user runs them). ``swarm_utils`` holds the helpers they share."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """WorldLM-P2P: federations of federations for language-model pre-training on hivemind.
 
 Importing the package does nothing beyond defining names (no logging setup, no heavy imports).
-Map of the package (``tests/test_layering.py`` checks that it names every module):
+Map of the package (``tests/unit/test_layering.py`` checks that it names every module):
 
 Pure math (imports torch only; explicit generators and seeds):
 

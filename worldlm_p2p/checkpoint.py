@@ -10,8 +10,9 @@ with :func:`os.replace` and the directory is fsync'ed, so a crash leaves either 
 checkpoints or the new one, never a half-written ``ckpt-*.pt``. The checksum catches truncation and
 corruption: :func:`load_latest_checkpoint` then falls back to the previous checkpoint.
 
-The checksum protects integrity, not authenticity: only load checkpoints you (or your peer) wrote,
-since the payload is unpickled with ``weights_only=False``.
+The checksum protects integrity, not authenticity. The payload is read with torch's
+``weights_only`` unpickler (tensors, numbers, strings and plain containers only), so a crafted file
+cannot run code when it is loaded: it is refused as corrupt.
 """
 
 from __future__ import annotations
@@ -109,15 +110,24 @@ class _HashingWriter:
         self._f = f
         self.sha = hashlib.sha256()
         self.size = 0
+        self.error: OSError | None = None  # what the OS said (torch's zip writer hides it in a RuntimeError)
 
     def write(self, data: bytes) -> int:
         view = memoryview(data)
         self.sha.update(view)
         self.size += view.nbytes
-        return self._f.write(view)
+        try:
+            return self._f.write(view)
+        except OSError as e:
+            self.error = e
+            raise
 
     def flush(self) -> None:
-        self._f.flush()
+        try:
+            self._f.flush()
+        except OSError as e:
+            self.error = e
+            raise
 
 
 def fsync_dir(directory: Path) -> None:
@@ -150,6 +160,7 @@ def save_checkpoint(directory: str | Path, *, step: int, payload: dict[str, Any]
     except OSError as e:
         raise CheckpointError(f"cannot write in checkpoint directory {directory}: {e.strerror or e}") from None
     tmp = Path(tmp_name)
+    writer = None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(b"\0" * _HEADER.size)
@@ -163,8 +174,10 @@ def save_checkpoint(directory: str | Path, *, step: int, payload: dict[str, Any]
         fsync_dir(directory)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise CheckpointError(f"cannot write checkpoint {final}: {e.strerror or e}") from None
+        cause = e if isinstance(e, OSError) else writer.error if writer is not None else None
+        if cause is not None:  # disk full, quota, I/O error: the OS's reason, not torch's
+            raise CheckpointError(f"cannot write checkpoint {final}: {cause.strerror or cause} (the previous "
+                                  "checkpoints are kept)") from None
         raise
     logger.info("saved checkpoint %s (%d payload bytes)", final, writer.size)
     _prune(directory, keep=keep, protect=final)
@@ -212,7 +225,8 @@ def _read(path: Path) -> tuple[int, dict[str, Any]]:
     if m and int(m.group(1)) != step:
         raise _Corrupt(f"file name says step {int(m.group(1))} but the header says {step}")
     try:
-        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        # tensors and plain containers only: a crafted pickle cannot run code when it is loaded
+        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
         raise _Corrupt(f"cannot unpickle the payload: {_one_line(e)}") from None
     if not isinstance(obj, dict) or obj.get("step") != step or not isinstance(obj.get("payload"), dict):

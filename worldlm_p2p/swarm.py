@@ -72,6 +72,7 @@ class PeerProcess:
     proc: subprocess.Popen
     log_path: Path
     summary_path: Path
+    events_path: Path | None = None  # the peer's structured event log (worldlm_p2p.peer.events)
     started: float = field(default_factory=time.monotonic)
 
     def tail(self, n: int = 1) -> str:
@@ -126,6 +127,7 @@ class LocalSwarm:
         plan = self.plan()
         (cfg.out / "logs").mkdir(parents=True, exist_ok=True)
         (cfg.out / "peers").mkdir(parents=True, exist_ok=True)
+        (cfg.out / "events").mkdir(parents=True, exist_ok=True)
         run_toml = cfg.out / "run.toml"
         run_toml.write_text(manifest_to_toml(cfg.manifest))
         self._start_bootstrap(run_toml)
@@ -172,9 +174,11 @@ class LocalSwarm:
         cfg = self.config
         log_path = cfg.out / "logs" / f"{label}.log"
         summary = cfg.out / "peers" / f"{label}.json"
+        events = cfg.out / "events" / f"{label}.jsonl"
         cmd = [sys.executable, "-m", "worldlm_p2p.cli.peer", "--region", region, "--data", str(data),
                "--label", label, "--initial-peers", *self.initial_peers, "--run-id", cfg.manifest.run_id,
-               "--threads", str(cfg.threads_per_peer), "--summary", str(summary), "--device", "cpu"]
+               "--threads", str(cfg.threads_per_peer), "--summary", str(summary), "--device", "cpu",
+               "--events", str(events)]
         if cfg.max_steps:
             cmd += ["--max-steps", str(cfg.max_steps)]
         if cfg.max_tokens:
@@ -184,7 +188,8 @@ class LocalSwarm:
         with log_path.open("wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(),
                                     start_new_session=True)
-        return PeerProcess(label=label, region=region, data=data, proc=proc, log_path=log_path, summary_path=summary)
+        return PeerProcess(label=label, region=region, data=data, proc=proc, log_path=log_path, summary_path=summary,
+                           events_path=events)
 
     # ------------------------------------------------------------------ run / stop
     def running(self) -> list[PeerProcess]:
@@ -250,6 +255,15 @@ def _terminate(proc: subprocess.Popen) -> None:
         proc.send_signal(signal.SIGTERM)
     except ProcessLookupError:
         pass
+
+
+def stop_process_group(proc: subprocess.Popen, *, grace: float = 5.0) -> None:
+    """SIGTERM ``proc`` (a CLI started with ``start_new_session=True``: it shuts its own hivemind
+    children down cleanly), wait ``grace`` seconds, then SIGKILL whatever is left of its process
+    group (its DHT, averager and p2pd processes)."""
+    if proc.poll() is None:
+        _terminate(proc)
+    _wait_or_kill(proc, time.monotonic() + grace)
 
 
 def _wait_or_kill(proc: subprocess.Popen, deadline: float) -> None:

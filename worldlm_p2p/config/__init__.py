@@ -8,7 +8,7 @@ Local, per-peer settings (region, data, devices, addresses) live in :class:`Peer
 All dataclasses are frozen and keyword-only, and validate themselves in ``__post_init__`` with a
 :class:`~worldlm_p2p.errors.ConfigError` that names the offending setting.
 
-Modules (``tests/test_layering.py`` checks that this map names every one): ``run`` (the run
+Modules (``tests/unit/test_layering.py`` checks that this map names every one): ``run`` (the run
 manifest and its sections: model, tokenizer, training, aggregation, averaging, privacy policy;
 the shared validation helpers) and ``local`` (a region's privacy settings, the DHT join, the
 peer's own settings). Everything is importable from here.

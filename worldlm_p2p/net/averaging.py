@@ -15,6 +15,7 @@ Late joiners download the region's *last agreed* model (not a donor's in-progres
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -74,6 +75,17 @@ class RegionAverager(DecentralizedAverager):
         )
         self._timeout = averaging.averaging_timeout
         self._min_group_size = averaging.min_group_size
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        """hivemind's, except that the SIGINT handler of this process is kept: hivemind sets it to
+        SIG_IGN before it forks the averager (the child should ignore Ctrl-C), which would leave a
+        peer deaf to Ctrl-C once its averager runs."""
+        previous = signal.getsignal(signal.SIGINT)
+        try:
+            super().run_in_background(await_ready=await_ready, timeout=timeout)
+        finally:
+            if threading.current_thread() is threading.main_thread() and previous is not None:
+                signal.signal(signal.SIGINT, previous)
 
     # ------------------------------------------------------------------ state sharing (host side)
     def set_shared_state(self, *, round_index: int, tensors: Sequence[torch.Tensor], **meta: Any) -> None:

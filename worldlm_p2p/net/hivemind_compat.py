@@ -14,7 +14,7 @@ WorldLM extends hivemind at three seams that its public API does not offer:
 - **an RSA key from its DER bytes** (:func:`rsa_key_from_der`): hivemind's ``RSAPrivateKey`` has no
   loader from bytes other than its pickle state.
 
-:func:`check` inspects the installed hivemind for each of them; ``tests/test_hivemind_compat.py``
+:func:`check` inspects the installed hivemind for each of them; ``tests/unit/test_hivemind_compat.py``
 fails loudly when the pinned version changes or a seam moved. At run time a failure at a seam is
 logged as a warning (once per seam) and the caller falls back (a full matchmaking window, a
 download that returns nothing), never silently.

@@ -1,4 +1,4 @@
-"""The peer: the one orchestrator that knows every layer, as parts (``tests/test_layering.py``
+"""The peer: the one orchestrator that knows every layer, as parts (``tests/unit/test_layering.py``
 checks that this map names every module).
 
 - ``core``: :class:`Peer`, the composition root, and its run loop (join, start, train, region
@@ -17,6 +17,7 @@ checks that this map names every module).
 - ``world``: world rounds: the leader's lease, border release and background world round, and
   every member's adoption of the leader's change.
 - ``stats``: the counters, with their checkpoint and summary views derived from one definition.
+- ``events``: the structured event log (``--events``): phases and every round's outcome, as JSON lines.
 
 Threads: the main thread trains and owns the region's state; the world-round thread works on a
 snapshot and hands back a typed change (:mod:`.world`); the progress thread only publishes records.

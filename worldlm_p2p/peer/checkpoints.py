@@ -4,6 +4,7 @@ in the atomic, checksummed file format of :mod:`worldlm_p2p.checkpoint`) and how
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from worldlm_p2p.checkpoint import load_latest_checkpoint, save_checkpoint
 from worldlm_p2p.codec import PeerCheckpoint, StateError
@@ -18,10 +19,10 @@ logger = logging.getLogger(__name__)
 
 
 def write(config: PeerConfig, manifest: RunManifest, *, member: Member, state: RegionState, stats: PeerStats,
-          label: str, peer_id: str) -> None:
-    """A checkpoint of this peer now (nothing without ``config.checkpoint_dir``)."""
+          label: str, peer_id: str) -> Path | None:
+    """A checkpoint of this peer now, and its path (nothing without ``config.checkpoint_dir``)."""
     if not config.checkpoint_dir:
-        return
+        return None
     ckpt = PeerCheckpoint(
         run_id=manifest.run_id, fingerprint=manifest.fingerprint(), region=config.region,
         model={k: v.detach().to("cpu") for k, v in member.model.state_dict().items()},
@@ -31,6 +32,7 @@ def write(config: PeerConfig, manifest: RunManifest, *, member: Member, state: R
     path = save_checkpoint(config.checkpoint_dir, step=stats.step, payload=ckpt.to_payload(),
                            keep=config.keep_checkpoints)
     logger.info("checkpoint written: %s", path)
+    return path
 
 
 def resume(config: PeerConfig, manifest: RunManifest, *, member: Member, state: RegionState,

@@ -26,6 +26,7 @@ from worldlm_p2p.rounds import region_payload
 from worldlm_p2p.train import load_texts
 
 from worldlm_p2p.peer import checkpoints, joining
+from worldlm_p2p.peer.events import EventLog
 from worldlm_p2p.peer.member import Member
 from worldlm_p2p.peer.progress import Progress
 from worldlm_p2p.peer.region_round import RegionRound, gathered_tokens
@@ -48,6 +49,7 @@ class Peer:
         self._stop = threading.Event()
         self._dht_lock = threading.Lock()
         self._started = time.monotonic()
+        self.events = EventLog(config.events_path)
         self._net = self._averager = self._world = self._progress = self._member = self._state = None
 
     def stop(self) -> None:
@@ -61,9 +63,11 @@ class Peer:
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
         cfg = self.config
+        self.events.emit("started", pid=os.getpid())
         splits = load_texts(cfg.data)  # fail on bad data before touching the network
         self._net = net = joining.connect(cfg, stopping=self._stop.is_set)
         self.manifest, self.peer_id, m = net.manifest, net.peer_id, net.manifest
+        self.events.emit("joined", peer_id=self.peer_id, run_id=m.run_id, fingerprint=m.fingerprint())
         local = joining.build_local(cfg, m, splits)
         self.trainer, self.rule = local.trainer, local.rule
         self._member = Member(model=local.model, trainer=local.trainer, rule=local.rule, stats=self.stats)
@@ -92,13 +96,13 @@ class Peer:
             self._world = WorldRounds(dht=net.dht, validators=net.validators, dht_lock=self._dht_lock, config=cfg,
                                       manifest=m, peer_id=self.peer_id, rule=self.rule, state=self._state,
                                       stats=self.stats, member=self._member, server=self._server, trace=self._trace,
-                                      stopping=self._stop.is_set)
+                                      stopping=self._stop.is_set, events=self.events)
         world = self._world
         self._round = RegionRound(
             rule=self.rule, averaging=m.averaging, averager=self._averager, state=self._state, stats=self.stats,
             member=self._member, server=self._server, region=cfg.region, label=self.label, started=self._started,
             payload_bytes=sum(t.numel() * 4 for t in template), fetch_others=others, publish=progress.publish,
-            stopping=self._stop.is_set, trace=self._trace,
+            stopping=self._stop.is_set, trace=self._trace, events=self.events,
             before_average=world.maybe_adopt if world else lambda: None,
             on_averaged=(lambda result: world.count(gathered_tokens(result))) if world else lambda result: None,
             on_alone=self._region_of_one,
@@ -129,6 +133,7 @@ class Peer:
         logger.info("training %s on %s: %d train tokens, %d valid tokens, device %s", m.model.preset, cfg.data,
                     self.trainer.data.train.numel(), self.trainer.data.valid.numel(), self.trainer.device)
         last_ckpt = s.step
+        self.events.emit("training", started_from=s.started_from, step=s.step)
         while not self._stop.is_set() and not self._done():
             result = self.trainer.train_step(s.step)
             s.count_step(tokens=result.tokens, loss=result.loss)
@@ -145,6 +150,7 @@ class Peer:
             self._checkpoint()
         self._stop.set()
         self._progress.publish()  # finished=True: barriers stop waiting for us
+        self.events.emit("finished", step=s.step, tokens=s.tokens)
         return self.summary(final_eval=True)
 
     def _done(self) -> bool:
@@ -168,8 +174,10 @@ class Peer:
         return -1.0 if eps is None else float(eps)
 
     def _checkpoint(self) -> None:
-        checkpoints.write(self.config, self.manifest, member=self._member, state=self._state, stats=self.stats,
-                          label=self.label, peer_id=self.peer_id)
+        path = checkpoints.write(self.config, self.manifest, member=self._member, state=self._state,
+                                 stats=self.stats, label=self.label, peer_id=self.peer_id)
+        if path is not None:
+            self.events.emit("checkpoint", step=self.stats.step, path=str(path))
 
     # ------------------------------------------------------------------ summary and shutdown
     def summary(self, *, final_eval: bool = False) -> dict[str, Any]:
@@ -210,3 +218,4 @@ class Peer:
             except Exception as e:
                 logger.debug("DHT shutdown: %s", e)
             self._net = None
+        self.events.close()

@@ -33,6 +33,7 @@ from worldlm_p2p.config import AveragingConfig
 from worldlm_p2p.net import barrier
 from worldlm_p2p.net.averaging import RegionAverager, RoundResult
 
+from worldlm_p2p.peer.events import EventLog
 from worldlm_p2p.peer.member import Member
 from worldlm_p2p.peer.serving import StateServer
 from worldlm_p2p.peer.state import RegionState
@@ -68,7 +69,7 @@ class RegionRound:
                  started: float, payload_bytes: int, fetch_others: Callable[[], list], publish: Callable[[], None],
                  stopping: Callable[[], bool], trace: Callable[[str, dict], None],
                  before_average: Callable[[], None], on_averaged: Callable[[RoundResult], None],
-                 on_alone: Callable[[bool], None], on_refresh: Callable[[int], None]) -> None:
+                 on_alone: Callable[[bool], None], on_refresh: Callable[[int], None], events: EventLog) -> None:
         """``before_average()``: world changes due are adopted there; ``on_averaged(result)``: counts
         the round towards world rounds; ``on_alone(no_live_peer)``: the region of one;
         ``on_refresh(missed)``: a peer that joined from the region's state finds the region ahead."""
@@ -78,6 +79,7 @@ class RegionRound:
         self.fetch_others, self.publish, self.stopping, self.trace = fetch_others, publish, stopping, trace
         self.before_average, self.on_averaged, self.on_alone, self.on_refresh = (before_average, on_averaged,
                                                                                  on_alone, on_refresh)
+        self.events = events
         self._was_alone = False
 
     def run(self) -> Outcome:
@@ -102,12 +104,16 @@ class RegionRound:
                 self.on_alone(decision.live == 0)
             self._was_alone = True
             s.waiting_for_round = -1
+            self.events.emit("round", round=s.round, outcome=outcome.value, group_size=1, seconds=0.0, step=s.step)
             s.round += 1
             return outcome
         self._was_alone = False
         self.before_average()
         averaged = self.average(self.member.params(), waiting=decision.waiting)
         outcome = self.apply(averaged)
+        r = averaged.result
+        self.events.emit("round", round=s.round, outcome=outcome.value, group_size=r.group_size,
+                         seconds=round(r.seconds, 4), step=s.step, **({"error": r.error} if not r.ok else {}))
         s.round += 1
         s.waiting_for_round = -1
         self.publish()

@@ -24,6 +24,7 @@ from worldlm_p2p.codec import WorldChange
 from worldlm_p2p.config import PeerConfig, RunManifest
 from worldlm_p2p.net.leader import LeaderLease, elect
 
+from worldlm_p2p.peer.events import EventLog
 from worldlm_p2p.peer.member import Member
 from worldlm_p2p.peer.serving import StateServer
 from worldlm_p2p.peer.state import RegionState
@@ -51,11 +52,12 @@ class _Finished:
 class WorldRounds:
     def __init__(self, *, dht, validators, dht_lock: threading.Lock, config: PeerConfig, manifest: RunManifest,
                  peer_id: str, rule: rounds.RoundRule, state: RegionState, stats: PeerStats, member: Member,
-                 server: StateServer, trace: Callable[[str, dict], None], stopping: Callable[[], bool]) -> None:
+                 server: StateServer, trace: Callable[[str, dict], None], stopping: Callable[[], bool],
+                 events: EventLog) -> None:
         self.dht, self.validators, self.dht_lock = dht, validators, dht_lock
         self.config, self.manifest, self.peer_id, self.rule = config, manifest, peer_id, rule
         self.state, self.stats, self.member, self.server, self.trace = state, stats, member, server, trace
-        self.stopping = stopping
+        self.stopping, self.events = stopping, events
         self.tokens_since_world = 0.0
         self._exchange = None  # a WorldExchange, created when this peer first leads a world round
         self._thread: threading.Thread | None = None
@@ -171,6 +173,8 @@ class WorldRounds:
         self.lease.world_round = c.world_round
         self.lease.renew()  # tell the region now, not at the next renewal
         self.trace(f"world-{c.world_round:05d}-leader", done.trace)
+        self.events.emit("world_led", world_round=c.world_round, regions=list(done.regions),
+                         seconds=round(done.seconds, 4))
         logger.info("world round %d: with the leaders of %s in %.2fs; the region adopts it at its next round",
                     c.world_round, ", ".join(done.regions), done.seconds)
 
@@ -205,6 +209,8 @@ class WorldRounds:
         self.trace(f"world-{known.world_round:05d}", dict(
             delta=known.delta, world_round=known.world_round, anchor=self.state.anchor, round=s.round,
             leader=known.source, before=params, after=adopted, mix_lam=mix.lam if mix is not None else None))
+        self.events.emit("world_adopted", world_round=known.world_round, round=s.round,
+                         lam=mix.lam if mix is not None else None)
         logger.info("adopted world round %d at region round %d", known.world_round, s.round)
 
     def _download(self, leader) -> WorldChange | None:

@@ -31,13 +31,6 @@ H = 10
 TRAINING = re.compile(r" INFO \S+: training \S+ on ")  # the peer's log line after set-up (progress published)
 
 
-@pytest.fixture
-def procs():
-    p = Procs()
-    yield p
-    p.close()
-
-
 class _RecordingSimulator(Simulator):
     """The simulator unchanged, plus a copy of every peer's model and of the anchors just before each
     region round (test-only; it overrides the private hook, the computation is the parent's)."""

@@ -175,3 +175,61 @@ def test_resaving_a_step_replaces_it(tmp_path: Path) -> None:
     loaded = load_latest_checkpoint(tmp_path)
     assert loaded is not None and loaded.payload == {"v": "new"}
     assert len(list_checkpoints(tmp_path)) == 1
+
+
+class _Payload:
+    """A pickle that runs code when it is loaded (what a crafted checkpoint would carry)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_crafted_checkpoint_runs_no_code(tmp_path: Path) -> None:
+    """A checkpoint whose header and checksum are right but whose payload is a pickle of arbitrary
+    objects is refused as corrupt (tensors and plain containers only: ``weights_only``), and the
+    code in it never runs; the previous checkpoint is used instead."""
+    import io
+
+    save_checkpoint(tmp_path, step=1, payload=_payload(1), keep=5)
+    marker = tmp_path / "pwned"
+    buf = io.BytesIO()
+    torch.save({"step": 2, "payload": {"x": _Payload(marker)}}, buf)
+    data = buf.getvalue()
+    header = struct.pack(">8sIqQ32s", b"WLMCKPT\x00", ckpt.FORMAT_VERSION, 2, len(data), hashlib.sha256(data).digest())
+    crafted = tmp_path / "ckpt-000000002.pt"
+    crafted.write_bytes(header + data)
+    with pytest.raises(CheckpointError, match="corrupt: cannot unpickle"):
+        read_checkpoint(crafted)
+    loaded = load_latest_checkpoint(tmp_path)
+    assert loaded is not None and loaded.step == 1 and [p for p, _ in loaded.skipped] == [crafted]
+    assert not marker.exists()
+
+
+def test_a_full_disk_is_one_clear_error_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    """The OS's reason (here a file-size limit, EFBIG, the same path as ENOSPC) reaches the user,
+    not torch's zip-writer message; no temporary file is left and the previous checkpoint stays."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import resource, signal, sys, torch
+        from worldlm_p2p.checkpoint import save_checkpoint, list_checkpoints
+        from worldlm_p2p.errors import CheckpointError
+        save_checkpoint({str(tmp_path)!r}, step=1, payload={{"v": 1}}, keep=3)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.RLIM_INFINITY))
+        try:
+            save_checkpoint({str(tmp_path)!r}, step=2, payload={{"w": torch.zeros(1 << 16)}}, keep=3)
+        except CheckpointError as e:
+            print(e)
+        print([s for s, _ in list_checkpoints({str(tmp_path)!r})])
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    message, listed = out.stdout.strip().splitlines()
+    assert "cannot write checkpoint" in message and "File too large" in message and "enforce" not in message
+    assert listed == "[1]" and not list(tmp_path.glob(".ckpt-*"))

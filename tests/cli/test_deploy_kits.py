@@ -10,7 +10,7 @@ from worldlm_p2p.cli import peer as peer_cli
 from worldlm_p2p.config import PeerConfig, RunManifest, load_toml, manifest_conflicts
 from worldlm_p2p.net.dht import parse_maddrs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = str(REPO / "worldlm_p2p" / "demo_data" / "eu" / "nl_news")
 EXAMPLE = REPO / "bootstrap" / "run.example.toml"
 

@@ -62,6 +62,19 @@ def test_swarm_runs_a_small_world_writes_summary_and_stops_on_ctrl_c(tmp_path):
     na = [x for x in peers if x["region"] == "na"]
     assert all(x["rounds_completed"] >= 1 and set(x["group_sizes"]) == {2} for x in eu)
     assert na[0]["rounds_completed"] == 0 and na[0]["group_sizes"] == []
+    # every peer's structured event log agrees with its summary: the phases in order, one "round"
+    # event per round it took part in, averaged ones with the group sizes of the summary
+    from worldlm_p2p.peer.events import read_events
+
+    for x in peers:
+        ev = read_events(out / "events" / f"{x['label']}.jsonl")
+        kinds = [e["event"] for e in ev]
+        assert kinds[:3] == ["started", "joined", "training"] and kinds[-1] == "finished", kinds
+        averaged = [e for e in ev if e["event"] == "round" and e["outcome"] == "averaged"]
+        assert [e["group_size"] for e in averaged] == x["group_sizes"]
+        assert [e["mono"] for e in ev] == sorted(e["mono"] for e in ev)
+        assert ev[-1]["step"] == x["steps"] and ev[-1]["tokens"] == x["tokens"]
+        assert any(e["event"] == "checkpoint" and e["step"] == x["steps"] for e in ev)
     assert (out / "logs" / "bootstrap.log").exists() and (out / "run.toml").exists()
     assert list((out / "checkpoints").glob("*/ckpt-*.pt")), "final checkpoints were written"
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

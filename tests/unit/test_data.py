@@ -21,7 +21,7 @@ from worldlm_p2p.train.data import (
 )
 from worldlm_p2p.train.tokenizer import ByteTokenizer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCS = [f"sentence number {i}" for i in range(10)]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("quality_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "quality.py")
+_spec = importlib.util.spec_from_file_location("quality_bench", Path(__file__).resolve().parents[2] / "benchmarks" / "quality.py")
 quality = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = quality  # dataclasses look their module up
 _spec.loader.exec_module(quality)

@@ -75,7 +75,7 @@ def assert_one_line_error(code: int, err: str, *needles: str) -> None:
 
 
 def run_cli(args: list[str], timeout: float = 120) -> tuple[int, str, str]:
-    p = subprocess.run(SIM + args, capture_output=True, env=env(), timeout=timeout, cwd=Path(__file__).parents[1])
+    p = subprocess.run(SIM + args, capture_output=True, env=env(), timeout=timeout, cwd=Path(__file__).parents[2])
     return p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
 
 
@@ -451,7 +451,7 @@ def bad_input(corpus, tmp_path_factory) -> dict[str, tuple[list[str], int, str, 
     argvs = {name: ["--data", str(corpus), *SIM_FLAGS, "--out", str(out), *extra]  # later flags win
              for name, (extra, _) in cases.items()}
     p = subprocess.run([sys.executable, "-c", _FORKED_MAIN, json.dumps(argvs)], capture_output=True, env=env(),
-                       timeout=180, cwd=Path(__file__).parents[1])
+                       timeout=180, cwd=Path(__file__).parents[2])
     assert p.returncode == 0, p.stderr.decode(errors="replace")
     results = json.loads(p.stdout)
     return {name: (needles, *results[name], out) for name, (_, needles) in cases.items()}

@@ -14,17 +14,10 @@ import signal
 import pytest
 import torch
 
-from swarm_utils import (Procs, ProgressReader, group_of, log_tail, max_abs_diff, process_group, round_error,
+from swarm_utils import (ProgressReader, group_of, log_tail, max_abs_diff, process_group, round_error,
                          start_bootstrap, start_peer, summary, trace, traces, wait_for)
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]  # several peer processes each
-
-
-@pytest.fixture
-def procs():
-    p = Procs()
-    yield p
-    p.close()
 
 
 def _exit_ok(proc, tmp, label, timeout=240):

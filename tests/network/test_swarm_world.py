@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from swarm_utils import (REPO, Procs, ProgressReader, env, log_tail, max_abs_diff, round_rule, start_bootstrap,
+from swarm_utils import (REPO, ProgressReader, env, log_tail, max_abs_diff, round_rule, start_bootstrap,
                          start_peer, summary, tune_trainer, wait_for, world_traces)
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]  # several peer processes each
@@ -27,13 +27,6 @@ MANY = 100_000  # peers run until stopped
 # runs): world attention and the significance test of evidence mixing
 WORLD_VARIANT_ARGS = dict(world_target="attention", mix_z=2.0)
 WORLD_VARIANT = 'world_target = "attention"\nmix_z = 2.0'
-
-
-@pytest.fixture
-def procs():
-    p = Procs()
-    yield p
-    p.close()
 
 
 def _leaders(reader: ProgressReader) -> dict[str, set[str]]:

@@ -23,7 +23,7 @@ DATA = str(DEMO / "eu" / "nl_news")
 
 
 def run(cmd, timeout=120):
-    p = subprocess.run(cmd, capture_output=True, env=env(), timeout=timeout, cwd=Path(__file__).parents[1])
+    p = subprocess.run(cmd, capture_output=True, env=env(), timeout=timeout, cwd=Path(__file__).parents[2])
     return p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
 
 
@@ -143,6 +143,32 @@ def test_peer_all_checkpoints_corrupt(boot, tmp_path):
     code, _, err = run(PEER + ["--region", "eu", "--data", DATA, "--initial-peers", *boot, "--checkpoint-dir",
                                str(ck), "--max-steps", "3"])
     assert_one_line_error(code, err, "checkpoint")
+
+
+@pytest.mark.network
+def test_peer_stops_cleanly_on_ctrl_c_while_training(boot, tmp_path):
+    """hivemind's averager sets SIGINT to SIG_IGN in the process that starts it; the peer keeps its
+    own handler, so Ctrl-C during training stops it cleanly (final checkpoint, summary, exit 0)."""
+    from swarm_utils import wait_for
+
+    from worldlm_p2p.peer.events import read_events
+
+    events, summary = tmp_path / "events.jsonl", tmp_path / "summary.json"
+    p = subprocess.Popen(PEER + ["--region", "eu", "--data", DATA, "--initial-peers", *boot, "--max-steps", "100000",
+                                 "--events", str(events), "--summary", str(summary), "--checkpoint-dir",
+                                 str(tmp_path / "ck")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env(),
+                         start_new_session=True)
+    try:
+        wait_for(lambda: any(e["event"] == "round" for e in read_events(events)), 180, "the peer's first round")
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 0, p.stderr.read().decode()[-1500:]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+    kinds = [e["event"] for e in read_events(events)]
+    assert kinds[-2:] == ["checkpoint", "finished"] or kinds[-1] == "finished", kinds
+    assert summary.exists() and list((tmp_path / "ck").glob("ckpt-*.pt"))
 
 
 def test_bootstrap_bad_input():
