@@ -6,7 +6,7 @@ subprocesses on 127.0.0.1, started by :class:`worldlm_p2p.swarm.LocalSwarm`), an
 reported next to a baseline measured in the same run, because the machine is shared and noisy:
 
 1. **time to first round** of each peer of a 2-peer region: from the outside (process spawn ->
-   log line ``round N: averaged``) and from the inside (``seconds_to_first_round`` of the peer's
+   the first ``round`` event with outcome ``averaged`` in the peer's event log, ``--events``) and from the inside (``seconds_to_first_round`` of the peer's
    summary, counted from ``Peer`` construction), broken down into spawn -> ``Peer`` constructed
    (interpreter + imports), -> joined the run (DHT + manifest), -> training started (tokenizer,
    data, model, averager, late-join check), -> first round done (H steps + barrier + all-reduce);
@@ -622,7 +622,7 @@ def markdown(result: dict[str, Any]) -> str:
             ("interpreter + imports (spawn -> `Peer` built)", "phase_spawn_to_peer_s_median"),
             ("-> joined the run (DHT up, manifest fetched)", "phase_spawn_to_joined_s_median"),
             ("-> training started (tokenizer, data, model, averager, join)", "phase_spawn_to_training_s_median"),
-            ("-> **first round done** (outside: log line)", "outside_first_round_s_median"),
+            ("-> **first round done** (outside: event log)", "outside_first_round_s_median"),
             ("`seconds_to_first_round` (peer summary, from `Peer` built)", "seconds_to_first_round_median"),
         ]
         for name, key in rows:
