@@ -19,3 +19,16 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """For tests that run a CLI's ``main`` in this process: the CLIs route the root logger to a
+    stream; undo it afterwards."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

@@ -56,6 +56,13 @@ class Procs:
         self.procs.append(p)
         return p
 
+    def start_script(self, argv: list[str], log: Path) -> subprocess.Popen:
+        """Start a command line (not a module) the same way, its output to ``log``."""
+        p = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env(), start_new_session=True,
+                             cwd=REPO)
+        self.procs.append(p)
+        return p
+
     def close(self) -> None:
         for p in self.procs:
             if p.poll() is None:
@@ -95,9 +102,11 @@ def fast_run(run_id: str = "t", inner_steps: int = 5, averaging: str = "", aggre
 
 
 def start_bootstrap(procs: Procs, tmp: Path, *, run_id: str = "t", inner_steps: int = 5,
-                    timeout: float = 60, averaging: str = "", aggregation: str = "") -> tuple[subprocess.Popen, list[str]]:
+                    timeout: float = 60, averaging: str = "", aggregation: str = "",
+                    tables: str = "") -> tuple[subprocess.Popen, list[str]]:
+    """``tables``: more TOML tables of the manifest (e.g. ``[admission.regions]``)."""
     run = tmp / "run.toml"
-    run.write_text(fast_run(run_id, inner_steps, averaging, aggregation))
+    run.write_text(fast_run(run_id, inner_steps, averaging, aggregation) + "\n" + tables)
     p = procs.start(["worldlm_p2p.cli.bootstrap", "--run-config", str(run), "--host-maddrs", LOOPBACK])
     line = p.stdout.readline().decode()
     maddrs = [t for t in line.split() if "/p2p/" in t]
@@ -139,6 +148,26 @@ def log_tail(tmp: Path, label: str, n: int = 15) -> str:
         return "\n".join((tmp / "logs" / f"{label}.log").read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return "(no log)"
+
+
+def admit(tmp: Path, *, run_id: str, region: str, labels: list[str]) -> tuple[str, dict[str, list[str]]]:
+    """A region key for ``region`` and, per label, an identity and a certificate for it: returns the
+    manifest's ``[admission.regions]`` table and, per label, the worldlm-peer flags that present them."""
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from worldlm_p2p.net.admission import issue, peer_id_of, public_key_text
+    from worldlm_p2p.net.dht import ensure_identity
+
+    region_key = RSAPrivateKey()
+    flags = {}
+    for label in labels:
+        identity = tmp / f"{label}.key"
+        key = ensure_identity(identity)
+        cert = issue(region_key, run_id=run_id, region=region, peer_id=peer_id_of(key.get_public_key()),
+                     expires=time.time() + 3600)
+        cert.save(tmp / f"{label}.cert")
+        flags[label] = ["--identity", str(identity), "--certificate", str(tmp / f"{label}.cert")]
+    return f'[admission.regions]\n{region} = "{public_key_text(region_key)}"\n', flags
 
 
 def max_abs_diff(xs, ys) -> float:

@@ -58,6 +58,10 @@ def test_records_are_signed_and_validated_in_the_dht():
             assert records.publish_progress(alice, vals[1], run, _rec(label="alice"), ttl=30)
             got = records.fetch_progress(mallory, run)
             assert [r.label for r in got] == ["alice"]
+            # the reader learns who signed it: the peer id of alice's record key
+            from worldlm_p2p.net.admission import peer_id_of
+
+            assert got[0].signer == peer_id_of(rsa[1].get_public_key()) != peer_id_of(rsa[2].get_public_key())
 
             # mallory cannot write into alice's subkey: her signature does not match alice's key
             forged = _rec(label="alice", step=999).to_wire()

@@ -264,3 +264,33 @@ def test_thread_renews_and_stops(monkeypatch):
         lease.stop(withdraw=True)
     assert not lease._thread.is_alive() and not lease.is_leader()
     assert LeaseRecord.from_wire(next(iter(shared[keys.leaders_key("r")].values()))[0]).expires <= time.time()
+
+
+def test_an_admitting_region_elects_only_admitted_candidacies_signed_by_their_peer(swarm):
+    """The oldest candidacy wins only among peers the region admitted, whose lease record is signed
+    by the key of the peer id it names: a stranger's older candidacy, or one that copies an admitted
+    peer's id under another key, is not counted (leases of other regions are left to their members)."""
+    from worldlm_p2p.net.admission import peer_id_of
+
+    shared = {}
+    keys = {name: RSAPrivateKey() for name in ("alice", "bob", "mallory")}
+    ids = {name: peer_id_of(k.get_public_key()) for name, k in keys.items()}
+    admitted = {ids["alice"], ids["bob"]}
+
+    def lease(name, *, since, peer_id=None, region="eu", rules=lambda: admitted):
+        return LeaderLease(dht=FakeDHT(shared, swarm.clock), validators=[RSASignatureValidator(keys[name])],
+                           run_id="r", region=region, peer_id=peer_id or ids[name], fingerprint="fp", since=since,
+                           admitted=rules)
+
+    alice, bob = lease("alice", since=5.0), lease("bob", since=6.0)
+    stranger = lease("mallory", since=1.0)  # the oldest, not admitted
+    impostor = lease("mallory", since=2.0, peer_id=ids["bob"])  # bob's id, mallory's signature
+    for x in (stranger, impostor, alice, bob):
+        x.renew()
+    alice.renew(), bob.renew()
+    assert alice.leader().peer_id == bob.leader().peer_id == ids["alice"]
+    assert alice.is_leader() and not bob.is_leader()
+    # an open region (admitted() is None) counts every candidacy, as before
+    open_view = lease("bob", since=7.0, rules=lambda: None)
+    open_view.renew()
+    assert open_view.leader().peer_id == ids["mallory"]

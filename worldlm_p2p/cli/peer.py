@@ -25,7 +25,7 @@ logger = logging.getLogger(PROG)
 _PEER_KEYS = {
     "region": str, "data": str, "run_id": str, "label": str, "max_steps": int, "max_tokens": int, "device": str,
     "checkpoint_dir": str, "checkpoint_every": int, "threads": int, "initial_peers": list, "host_maddrs": list,
-    "announce_maddrs": list, "identity": str, "summary": str, "manifest_wait": float, "trace_dir": str, "events": str,
+    "announce_maddrs": list, "identity": str, "summary": str, "manifest_wait": float, "trace_dir": str, "events": str, "certificate": str,
     "privacy": dict,
 }
 
@@ -52,6 +52,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--identity", metavar="PATH", help="private key file (created with mode 0600 if missing)")
     p.add_argument("--summary", metavar="JSON", help="write a JSON summary of this peer here at exit")
     p.add_argument("--manifest-wait", type=float, help="seconds to wait for the run manifest (default 30)")
+    p.add_argument("--certificate", metavar="FILE", help="this peer's admission to its region, signed by the region's "
+                                                        "key (worldlm-admit issue); needed where the run manifest "
+                                                        "names a key for the region, with the --identity it names")
     p.add_argument("--events", metavar="JSONL", help="append a structured event log here: one JSON object per "
                                                      "line (joined, training, every round's outcome and time, "
                                                      "world rounds, checkpoints)")
@@ -117,7 +120,8 @@ def make_config(args) -> PeerConfig:
         region=peer["region"], data=peer["data"], net=NetConfig(**net_kwargs), run_id=peer.get("run_id"),
         label=peer.get("label", ""), max_steps=peer.get("max_steps"), max_tokens=peer.get("max_tokens"),
         checkpoint_dir=peer.get("checkpoint_dir"), torch_threads=peer.get("threads"),
-        summary_path=peer.get("summary"), trace_dir=peer.get("trace_dir"), events_path=peer.get("events"), local_overrides=overrides,
+        summary_path=peer.get("summary"), trace_dir=peer.get("trace_dir"), events_path=peer.get("events"),
+        certificate_path=peer.get("certificate"), local_overrides=overrides,
         privacy=_build_section(PrivacyConfig, "peer.privacy", peer["privacy"]),
     )
     for key, name in (("device", "device"), ("checkpoint_every", "checkpoint_every"),

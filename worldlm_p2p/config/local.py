@@ -120,6 +120,7 @@ class PeerConfig:
     local_overrides: Mapping[str, Any] = field(default_factory=dict)  # manifest-shaped, must agree
     summary_path: str | None = None  # JSON written at exit (used by worldlm-swarm)
     trace_dir: str | None = None  # audit trail: pre/post tensors of every region round
+    certificate_path: str | None = None  # the region's admission of this peer (worldlm-admit issue)
     events_path: str | None = None  # structured event log, one JSON object per line (worldlm_p2p.peer.events)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # the region's policy ([peer.privacy])
 

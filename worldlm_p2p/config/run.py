@@ -286,6 +286,45 @@ class PrivacyPolicy:
         _require(_finite(self.max_delta) and 0 < self.max_delta < 1, "privacy.max_delta", "must be in (0, 1)")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdmissionPolicy:
+    """Which regions admit their peers (the run manifest's ``[admission.regions]`` table): region ->
+    the public half of its institutions' region key, one OpenSSH line (``worldlm-admit keygen``
+    prints it). A peer may train in such a region only with a certificate signed by that key
+    (:mod:`worldlm_p2p.net.admission`); regions not listed are open."""
+
+    regions: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        seen = set()
+        for pair in self.regions:
+            _require(isinstance(pair, tuple) and len(pair) == 2, "admission.regions", "must map a region to a key")
+            region, key = pair
+            check_name("region", region)
+            _require(region not in seen, f"admission.regions.{region}", "is listed twice")
+            seen.add(region)
+            _require(isinstance(key, str) and key.startswith("ssh-rsa ") and len(key) < 4096,
+                     f"admission.regions.{region}", "must be an RSA public key line: ssh-rsa AAAA...")
+
+    def key_of(self, region: str) -> str | None:
+        """The public key line of ``region``, or None when the region is open."""
+        return dict(self.regions).get(region)
+
+    @classmethod
+    def from_mapping(cls, values: Any) -> "AdmissionPolicy":
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"[admission] must be a table, got {type(values).__name__}")
+        unknown = sorted(set(values) - {"regions"})
+        if unknown:
+            raise ConfigError(f"admission.{unknown[0]}: unknown setting (known: regions)")
+        regions = values.get("regions", {}) or {}
+        if isinstance(regions, (list, tuple)):  # the wire form: pairs
+            regions = {str(p[0]): p[1] for p in regions if isinstance(p, (list, tuple)) and len(p) == 2}
+        if not isinstance(regions, Mapping):
+            raise ConfigError("admission.regions must be a table of region = \"ssh-rsa ...\"")
+        return cls(regions=tuple(sorted((str(r), k) for r, k in regions.items())))
+
+
 # ----------------------------------------------------------------------------------- manifest
 
 
@@ -328,6 +367,7 @@ class RunManifest:
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     privacy: PrivacyPolicy = field(default_factory=PrivacyPolicy)
+    admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
 
     def __post_init__(self) -> None:
         check_name("run id", self.run_id)
@@ -338,7 +378,13 @@ class RunManifest:
 
     # -- (de)serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The manifest as plain values. ``admission`` appears only when a region admits its peers,
+        so that the fingerprints of manifests without it are what they always were."""
+        out = dataclasses.asdict(self)
+        admission = out.pop("admission")
+        if admission["regions"]:
+            out["admission"] = {"regions": {r: k for r, k in admission["regions"]}}
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RunManifest":
@@ -346,7 +392,7 @@ class RunManifest:
         other keys of ``[model]`` override it."""
         if not isinstance(data, Mapping):
             raise ConfigError("run manifest must be a table")
-        unknown = sorted(set(data) - {"run_id", *_SECTIONS})
+        unknown = sorted(set(data) - {"run_id", "admission", *_SECTIONS})
         if unknown:
             raise ConfigError(f"{unknown[0]}: unknown section or setting in the run manifest")
         if "run_id" not in data:
@@ -363,6 +409,7 @@ class RunManifest:
                     base.update(values)
                     values = base
             kwargs[name] = _build_section(section_cls, name, values)
+        kwargs["admission"] = AdmissionPolicy.from_mapping(data.get("admission", {}) or {})
         if not isinstance(kwargs["run_id"], str):
             raise ConfigError(f"run_id: expected str, got {kwargs['run_id']!r}")
         return cls(**kwargs)

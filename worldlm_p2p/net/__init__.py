@@ -2,6 +2,7 @@
 
 - ``keys``: every DHT key and averager prefix of a run (the only place they are composed).
 - ``hivemind_compat``: every use of hivemind's private API, checked against the pinned version.
+- ``admission``: region keys, peer certificates, and the check a member makes of the others' records.
 - ``dht``: multiaddr validation, identity files, joining the DHT with bounded retries.
 - ``records``: signed, schema-validated DHT records (run manifests, peer progress, leader leases).
 - ``schemas``: the wire schemas every DHT node checks before storing, and the validators.

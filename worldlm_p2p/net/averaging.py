@@ -19,12 +19,16 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+
 from worldlm_p2p.config import AveragingConfig
+
 from worldlm_p2p.net import hivemind_compat
 from worldlm_p2p.net.keys import averager_prefix
 
@@ -86,6 +90,60 @@ class RegionAverager(DecentralizedAverager):
         finally:
             if threading.current_thread() is threading.main_thread() and previous is not None:
                 signal.signal(signal.SIGINT, previous)
+
+    # ------------------------------------------------------------------ admission
+    def set_admitted(self, peer_ids: Sequence[str] | None, *, timeout: float = 5.0) -> None:
+        """Average, and serve state, only with these peers (None: anyone of the prefix, an open
+        region). Matchmaking requests and all-reduce parts of any other peer are refused, a group
+        that holds one is left before any tensor moves, and its state downloads get nothing."""
+        try:
+            hivemind_compat.call_in_averager(self, "_set_admitted", None if peer_ids is None else sorted(peer_ids),
+                                             timeout=timeout)
+        except Exception as e:
+            hivemind_compat.warn_once("setting the admitted peers", e)
+
+    async def _set_admitted(self, peer_ids, future) -> None:  # runs in the averager process
+        self._admitted = None if peer_ids is None else frozenset(peer_ids) | {str(self.peer_id)}
+        future.set_result(None)
+
+    def _refused(self, peer_id) -> bool:  # averager process
+        admitted = getattr(self, "_admitted", None)
+        return admitted is not None and str(peer_id) not in admitted
+
+    # the rpc_* overrides keep hivemind's annotations: its servicer reads them to build the handlers
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self._refused(context.remote_id):
+            logger.warning("refused a matchmaking request from %s: not admitted to this region", context.remote_id)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if self._refused(context.remote_id):
+            logger.warning("refused an all-reduce part from %s: not admitted to this region", context.remote_id)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if self._refused(context.remote_id):
+            logger.warning("refused a state download by %s: not admitted to this region", context.remote_id)
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+    async def _aggregate_with_group(self, group_info, *args, **kwargs):
+        strangers = [str(p) for p in group_info.peer_ids if self._refused(p)]
+        if strangers:
+            from hivemind.averaging.allreduce import AllreduceException
+
+            raise AllreduceException(f"the group holds peers not admitted to this region: {', '.join(strangers)}")
+        return await super()._aggregate_with_group(group_info, *args, **kwargs)
 
     # ------------------------------------------------------------------ state sharing (host side)
     def set_shared_state(self, *, round_index: int, tensors: Sequence[torch.Tensor], **meta: Any) -> None:

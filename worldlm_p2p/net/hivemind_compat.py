@@ -11,8 +11,12 @@ WorldLM extends hivemind at three seams that its public API does not offer:
 - **state download from one chosen peer** (:func:`state_stub`): hivemind's ``rpc_download_state``
   asked of a given peer through the averager's private ``_p2p`` handle, instead of its
   ``load_state_from_peers``, which picks the peer with the highest declared priority;
+- **admission at the averager's doors** (:class:`worldlm_p2p.net.averaging.RegionAverager`): it
+  overrides hivemind's ``rpc_join_group``, ``rpc_aggregate_part`` and ``rpc_download_state`` (public
+  RPC handlers) and its private ``_aggregate_with_group`` (where a group's members are first known);
 - **an RSA key from its DER bytes** (:func:`rsa_key_from_der`): hivemind's ``RSAPrivateKey`` has no
-  loader from bytes other than its pickle state.
+  loader from bytes other than its pickle state; and **a public key's DER form**
+  (:func:`rsa_public_der`), which a libp2p peer id hashes.
 
 :func:`check` inspects the installed hivemind for each of them; ``tests/unit/test_hivemind_compat.py``
 fails loudly when the pinned version changes or a seam moved. At run time a failure at a seam is
@@ -78,6 +82,14 @@ def rsa_key_from_der(der: bytes) -> Any:
     return key
 
 
+def rsa_public_der(public_key: Any) -> bytes:
+    """The DER SubjectPublicKeyInfo of a hivemind ``RSAPublicKey`` (what a libp2p peer id hashes)."""
+    from cryptography.hazmat.primitives import serialization
+
+    return public_key._public_key.public_bytes(encoding=serialization.Encoding.DER,
+                                               format=serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
 def check() -> list[str]:
     """What does not hold in the installed hivemind (empty: every seam is where we use it)."""
     from hivemind.averaging import DecentralizedAverager, matchmaking
@@ -91,7 +103,10 @@ def check() -> list[str]:
                          ("getattr(self, method)(*args, **kwargs)", "the dispatch of pipe messages to methods"),
                          ("self._matchmaking = Matchmaking(", "the averager's Matchmaking object"),
                          ("self._p2p = ", "the averager's p2p handle"),
-                         ("async def rpc_download_state(", "rpc_download_state")):
+                         ("async def rpc_download_state(", "rpc_download_state"),
+                         ("async def rpc_join_group(", "rpc_join_group"),
+                         ("async def rpc_aggregate_part(", "rpc_aggregate_part"),
+                         ("async def _aggregate_with_group(self, group_info: GroupInfo", "_aggregate_with_group")):
         if needle not in averager:
             problems.append(f"DecentralizedAverager: {what} ({needle!r}) is gone")
     mm = inspect.getsource(matchmaking)
@@ -102,6 +117,10 @@ def check() -> list[str]:
     if "self._private_key = serialization.load_der_private_key(self._private_key" not in inspect.getsource(
             RSAPrivateKey.__setstate__):
         problems.append("RSAPrivateKey.__setstate__ no longer loads '_private_key' from DER bytes")
+    from hivemind.utils.crypto import RSAPublicKey
+
+    if "self._public_key = public_key" not in inspect.getsource(RSAPublicKey.__init__):
+        problems.append("RSAPublicKey no longer keeps its key in '_public_key'")
     if not hasattr(DecentralizedAverager, "get_stub") or not hasattr(DecentralizedAverager, "serializer"):
         problems.append("DecentralizedAverager lost get_stub or serializer")
     return problems

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import math
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -75,7 +75,11 @@ class LeaderLease:
 
     def __init__(self, *, dht, validators, run_id: str, region: str, peer_id: str, fingerprint: str,
                  ttl: float = 6.0, renew_every: float | None = None, lock: threading.Lock | None = None,
-                 since: float | None = None, maddrs: Sequence[str] = (), world_round: int = -1) -> None:
+                 since: float | None = None, maddrs: Sequence[str] = (), world_round: int = -1,
+                 admitted: Callable[[], set[str] | None] = lambda: None) -> None:
+        """``admitted()``: the peers of the region that may lead it (None: any, an open region); an
+        admitting region's members count only the candidacies of admitted peers, signed in the
+        DHT by the key of the peer id they name."""
         if not (math.isfinite(ttl) and ttl > 0):
             raise ValueError(f"lease ttl must be a positive number of seconds, got {ttl}")
         renew_every = ttl / 3 if renew_every is None else renew_every
@@ -94,6 +98,7 @@ class LeaderLease:
         self._since = since  # None: the time of start()
         self._maddrs = tuple(maddrs)
         self._world_round = int(world_round)
+        self._admitted = admitted
 
         self._publish_lock = threading.Lock()  # one publication at a time: a withdrawal is never overtaken
         self._state_lock = threading.Lock()
@@ -220,8 +225,10 @@ class LeaderLease:
         except Exception as e:  # hivemind raises many kinds on a failing or shut-down DHT
             logger.debug("region %s: could not read lease records: %s: %s", self.region, type(e).__name__, e)
         else:
+            admitted = self._admitted()
             with self._state_lock:
-                self._others = tuple(r for r in fetched if r.peer_id != self.peer_id)
+                self._others = tuple(r for r in fetched if r.peer_id != self.peer_id and (
+                    admitted is None or r.region != self.region or (r.peer_id in admitted and r.signer == r.peer_id)))
         current = self.leader()
         self._note(current)
         return current

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import pydantic.v1 as pydantic
@@ -33,7 +33,7 @@ from worldlm_p2p.errors import ConfigError, ManifestError
 from worldlm_p2p.net.keys import RUNS_KEY, leaders_key, progress_key, residuals_key
 from worldlm_p2p.net.schemas import (_MAX_STR, MAX_EMBEDDING_BYTES, MAX_LEASE_MADDRS, MAX_LOSS_TREND,  # noqa: F401
                                      _LeaseModel, _ManifestModel, _ProgressModel, _ResidualModel, make_validators,
-                                     owner_subkey)
+                                     owner_peer_id, owner_subkey)
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +72,13 @@ class ProgressRecord:
     # changes in its last few choices (-1: none made)
     mix_region: float = -1.0
     mix_world: float = -1.0
+    certificate: dict | None = None  # the region's admission of this peer (net.admission.Certificate wire)
+    # not on the wire: the peer id of the key that signed the record in the DHT (set by the reader)
+    signer: str | None = field(default=None, compare=False)
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d.pop("signer")  # (certificate stays, None included: the DHT's schema check compares parsed with raw)
         d["world_round"] = max(-1, int(d["world_round"]))
         d["leader"] = bool(d["leader"])
         d["loss_trend"] = [float(x) for x in d["loss_trend"] if math.isfinite(x) and x >= 0][-MAX_LOSS_TREND:]
@@ -107,6 +111,9 @@ class ProgressRecord:
         d["loss_trend"] = tuple(d["loss_trend"])
         return cls(**d)
 
+    def signed_by(self, signer: str | None) -> "ProgressRecord":
+        return dataclasses.replace(self, signer=signer)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LeaseRecord:
@@ -125,9 +132,12 @@ class LeaseRecord:
     fingerprint: str  # run manifest fingerprint
     world_round: int = -1
     maddrs: tuple[str, ...] = ()
+    # not on the wire: the peer id of the key that signed the record in the DHT (set by the reader)
+    signer: str | None = field(default=None, compare=False)
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d.pop("signer")
         for k in ("since", "expires"):
             v = float(d[k])
             d[k] = v if math.isfinite(v) and v >= 0 else 0.0
@@ -148,6 +158,9 @@ class LeaseRecord:
         d = parsed.dict()
         d["maddrs"] = tuple(d["maddrs"])
         return cls(**d)
+
+    def signed_by(self, signer: str | None) -> "LeaseRecord":
+        return dataclasses.replace(self, signer=signer)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -293,14 +306,17 @@ def _store(dht, validators, key: str, wire: dict[str, Any], *, ttl: float) -> bo
                           return_future=False))
 
 
-def _fetch(dht, key: str, parse, what: str) -> list:
-    """Every record under ``key`` that ``parse`` accepts; a malformed one is logged and skipped."""
+def _fetch(dht, key: str, parse, what: str, *, with_signer: bool = False) -> list:
+    """Every record under ``key`` that ``parse`` accepts; a malformed one is logged and skipped.
+    ``with_signer``: each record learns the peer id of the key that signed it (``signed_by``)."""
     out = []
     for subkey, item in _entries(dht.get(key, latest=True)).items():
         try:
-            out.append(parse(item.value))
+            record = parse(item.value)
         except ValueError as e:
             logger.warning("rejected a %s record from %s: %s", what, _short(subkey), e)
+            continue
+        out.append(record.signed_by(owner_peer_id(subkey)) if with_signer else record)
     return out
 
 
@@ -310,7 +326,7 @@ def publish_progress(dht, validators, run_id: str, record: ProgressRecord, *, tt
 
 def fetch_progress(dht, run_id: str) -> list[ProgressRecord]:
     """Live progress records of a run (expired ones are gone; malformed ones are logged and skipped)."""
-    return _fetch(dht, progress_key(run_id), ProgressRecord.from_wire, "progress")
+    return _fetch(dht, progress_key(run_id), ProgressRecord.from_wire, "progress", with_signer=True)
 
 
 def publish_lease(dht, validators, run_id: str, record: LeaseRecord, *, ttl: float) -> bool:
@@ -325,7 +341,7 @@ def publish_lease(dht, validators, run_id: str, record: LeaseRecord, *, ttl: flo
 def fetch_leases(dht, run_id: str) -> list[LeaseRecord]:
     """Lease records of a run still held by the DHT (their ``expires`` may have passed: the election
     checks it; malformed records are logged and skipped)."""
-    return _fetch(dht, leaders_key(run_id), LeaseRecord.from_wire, "lease")
+    return _fetch(dht, leaders_key(run_id), LeaseRecord.from_wire, "lease", with_signer=True)
 
 
 def publish_residual(dht, validators, run_id: str, record: ResidualRecord, *, ttl: float) -> bool:

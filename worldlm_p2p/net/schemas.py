@@ -4,11 +4,15 @@ a value) and the validators a node runs: signatures, and the schema of each key
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 
 from worldlm_p2p.net.keys import RUNS_PREFIX
+
+MAX_CERTIFICATE_BYTES = 2048  # a certificate's signature: a 2048-bit RSA signature is 344 in base64
 
 _MAX_STR = 256
 MAX_EMBEDDING_BYTES = 1 << 20  # 1 MiB: 4096 layers x 64 numbers, far above any preset
@@ -18,6 +22,17 @@ _Float = pydantic.confloat(strict=True, allow_inf_nan=False)
 _NonNegFloat = pydantic.confloat(strict=True, ge=0, allow_inf_nan=False)
 MAX_LEASE_MADDRS = 8  # multiaddrs a lease record may carry (each at most _MAX_STR characters)
 MAX_LOSS_TREND = 16  # recent loss points a progress record carries
+
+
+class _CertificateModel(pydantic.BaseModel):
+    run_id: _Str
+    region: _Str
+    peer_id: _Str
+    expires: _NonNegFloat
+    signature: pydantic.constr(strict=True, max_length=MAX_CERTIFICATE_BYTES)
+
+    class Config:
+        extra = pydantic.Extra.forbid
 
 
 class _ProgressModel(pydantic.BaseModel):
@@ -45,6 +60,7 @@ class _ProgressModel(pydantic.BaseModel):
     border_releases: pydantic.conint(strict=True, ge=-1) = -1
     mix_region: pydantic.confloat(strict=True, ge=-1, le=1, allow_inf_nan=False) = -1.0
     mix_world: pydantic.confloat(strict=True, ge=-1, le=1, allow_inf_nan=False) = -1.0
+    certificate: Optional[_CertificateModel] = None  # the region's admission of this peer
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -116,6 +132,22 @@ def make_validators(run_id: str | None, private_key) -> list:
         validators.append(SchemaValidator(_LeadersSchema, prefix=run_id))
         validators.append(SchemaValidator(_ResidualsSchema, prefix=run_id))
     return validators
+
+
+def owner_peer_id(subkey: bytes) -> str | None:
+    """The libp2p peer id of the key that owns (and signed) a DHT subkey ``[owner:ssh-rsa ...]``;
+    None for a subkey without an owner."""
+    from hivemind.utils.crypto import RSAPublicKey
+
+    from worldlm_p2p.net.admission import peer_id_of
+
+    m = RSASignatureValidator._PUBLIC_KEY_RE.search(subkey) if isinstance(subkey, bytes) else None
+    if m is None:
+        return None
+    try:
+        return peer_id_of(RSAPublicKey.from_bytes(m.group(1)))
+    except Exception:
+        return None
 
 
 def owner_subkey(validators) -> bytes:

@@ -80,23 +80,27 @@ class Peer:
         self._progress = progress = Progress(
             dht=net.dht, validators=net.validators, dht_lock=self._dht_lock, config=cfg, manifest=m,
             peer_id=self.peer_id, label=self.label, stats=self.stats, state=self._state, epsilon=self._epsilon,
-            is_leader=lambda: self._world is not None and self._world.is_leader(), finished=self._stop)
+            is_leader=lambda: self._world is not None and self._world.is_leader(), finished=self._stop,
+            admission=net.admission, certificate=net.certificate)
         others = lambda: progress.region_records(everyone=self.rule.world_group)  # noqa: E731
         self._averager = RegionAverager(tensors=template, dht=net.dht, run_id=m.run_id,
                                         region=ALL_REGIONS if self.rule.world_group else cfg.region,
                                         averaging=m.averaging, fingerprint=m.fingerprint())
+        self._averager.set_admitted(progress.admitted)  # an admitting region: nobody until their records are read
         self._server = StateServer(averager=self._averager, state=self._state, stats=self.stats, rule=self.rule,
                                    fingerprint=m.fingerprint())
         parts = dict(config=cfg, rule=self.rule, member=self._member, state=self._state, stats=self.stats,
-                     server=self._server)
+                     server=self._server, admitted=lambda: progress.admitted)
+        live = others()  # (an admitting region: who is admitted, before the lease counts candidacies)
         if not resumed:
-            joining.late_join(others=others(), trace=self._trace, **parts)
+            joining.late_join(others=live, trace=self._trace, **parts)
         self._server.publish()
         if self.rule.has_world_rounds:
             self._world = WorldRounds(dht=net.dht, validators=net.validators, dht_lock=self._dht_lock, config=cfg,
                                       manifest=m, peer_id=self.peer_id, rule=self.rule, state=self._state,
                                       stats=self.stats, member=self._member, server=self._server, trace=self._trace,
-                                      stopping=self._stop.is_set, events=self.events)
+                                      stopping=self._stop.is_set, events=self.events,
+                                      admitted=lambda: progress.admitted)
         world = self._world
         self._round = RegionRound(
             rule=self.rule, averaging=m.averaging, averager=self._averager, state=self._state, stats=self.stats,
@@ -106,7 +110,8 @@ class Peer:
             before_average=world.maybe_adopt if world else lambda: None,
             on_averaged=(lambda result: world.count(gathered_tokens(result))) if world else lambda result: None,
             on_alone=self._region_of_one,
-            on_refresh=lambda missed: joining.refresh_joined_anchor(missed, **parts))
+            on_refresh=lambda missed: joining.refresh_joined_anchor(missed, **parts),
+            admitted=lambda: progress.admitted)
         progress.start()
 
     def _region_of_one(self, no_live_peer: bool) -> None:

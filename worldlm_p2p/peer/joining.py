@@ -16,6 +16,7 @@ from worldlm_p2p import rounds
 from worldlm_p2p.config import PeerConfig, RunManifest, manifest_conflicts, privacy_violations
 from worldlm_p2p.errors import ConfigError, DataError, ManifestError
 from worldlm_p2p.net import records
+from worldlm_p2p.net.admission import Certificate, RegionAdmission, check, peer_id_of
 from worldlm_p2p.net.dht import ensure_identity, start_dht
 from worldlm_p2p.net.records import fetch_run_manifest
 from worldlm_p2p.split import split_parameters
@@ -40,6 +41,8 @@ class Network:
     validators: list
     manifest: RunManifest
     peer_id: str
+    admission: RegionAdmission
+    certificate: dict | None  # this peer's admission to its region (wire form), where the region requires one
 
 
 def connect(config: PeerConfig, *, stopping: Callable[[], bool]) -> Network:
@@ -61,13 +64,41 @@ def connect(config: PeerConfig, *, stopping: Callable[[], bool]) -> Network:
             more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
             raise ManifestError(f"local setting contradicts the run manifest: {conflicts[0]}{more}")
         check_privacy(config, manifest)
+        admission = RegionAdmission.of(manifest)
+        certificate = check_own_certificate(config, admission, peer_id=str(dht.peer_id), key=key)
     except BaseException:
         dht.shutdown()
         raise
     dht.add_validators(records.make_validators(manifest.run_id, key)[2:])
-    logger.info("joined run %s (manifest %s) as %s in region %s", manifest.run_id, manifest.fingerprint(),
-                dht.peer_id, config.region)
-    return Network(dht=dht, validators=validators, manifest=manifest, peer_id=str(dht.peer_id))
+    logger.info("joined run %s (manifest %s) as %s in region %s%s", manifest.run_id, manifest.fingerprint(),
+                dht.peer_id, config.region, " (admitted)" if certificate else "")
+    return Network(dht=dht, validators=validators, manifest=manifest, peer_id=str(dht.peer_id), admission=admission,
+                   certificate=certificate)
+
+
+def check_own_certificate(config: PeerConfig, admission: RegionAdmission, *, peer_id: str, key) -> dict | None:
+    """Where the manifest names a key for this peer's region: its certificate must admit it (the
+    peer id of its --identity, which also signs its records). Raises ConfigError saying what to do."""
+    region = config.region
+    if not admission.requires(region):
+        if config.certificate_path:
+            logger.warning("region %s is open in this run: the certificate %s is not needed", region,
+                           config.certificate_path)
+        return None
+    if not config.net.identity_path:
+        raise ConfigError(f"region {region} admits its peers: run with the --identity your certificate was issued "
+                          f"for (worldlm-admit peer-id --identity FILE prints its peer id)")
+    if not config.certificate_path:
+        raise ConfigError(f"region {region} admits its peers: give --certificate (ask the region's institutions "
+                          f"to run worldlm-admit issue for peer {peer_id})")
+    cert = Certificate.load(config.certificate_path)
+    if peer_id_of(key.get_public_key()) != peer_id:
+        raise ConfigError("this peer's record key and its libp2p identity differ; give --identity")
+    why = check(cert, region_key=admission.key(region), run_id=admission.run_id, region=region, peer_id=peer_id)
+    if why is not None:
+        raise ConfigError(f"certificate {config.certificate_path} does not admit this peer ({peer_id}) to region "
+                          f"{region}: {why}")
+    return cert.to_wire()
 
 
 def check_privacy(config: PeerConfig, manifest: RunManifest) -> None:
@@ -170,7 +201,8 @@ def region_model(served, *, rule: rounds.RoundRule, member: Member) -> list[torc
 
 
 def late_join(config: PeerConfig, *, others: list, rule: rounds.RoundRule, member: Member, state: RegionState,
-              stats: PeerStats, server: StateServer, trace: Callable[[str, dict], None]) -> None:
+              stats: PeerStats, server: StateServer, trace: Callable[[str, dict], None],
+              admitted: Callable[[], set[str] | None] = lambda: None) -> None:
     """Load the region's current model from a live peer when the region has averaged already."""
     live = [r for r in others if not r.finished]
     if not live:
@@ -180,7 +212,8 @@ def late_join(config: PeerConfig, *, others: list, rule: rounds.RoundRule, membe
         logger.info("region %s has not averaged yet: its model is the run's common initialisation", config.region)
         return
     logger.info("region %s has %d live peer(s): loading its current model", config.region, len(live))
-    served = server.download_region(timeout=config.join_state_timeout)
+    peers = [r.peer_id for r in sorted(live, key=lambda r: -r.round)] if admitted() is not None else None
+    served = server.download_region(timeout=config.join_state_timeout, peers=peers)
     if served is None:
         return
     state.anchor, state.momentum = region_model(served, rule=rule, member=member), served.momentum or None
@@ -196,13 +229,16 @@ def late_join(config: PeerConfig, *, others: list, rule: rounds.RoundRule, membe
 
 
 def refresh_joined_anchor(missed: int, *, config: PeerConfig, rule: rounds.RoundRule, member: Member,
-                          state: RegionState, stats: PeerStats, server: StateServer) -> None:
+                          state: RegionState, stats: PeerStats, server: StateServer,
+                          admitted: Callable[[], set[str] | None] = lambda: None) -> None:
     """A peer that joined from the region's state and then finds the region ahead of it at its
     first barrier (the region's lone peer held region rounds of one while this one started) holds
     a stale anchor; every member of a round must hold the same one (the reference of the K
     attention and of the pure round), so it downloads the region's current agreed model again.
     Its own model, trained meanwhile, is kept: that is its contribution."""
-    served = server.download_region(timeout=config.join_state_timeout)
+    peers = admitted()
+    served = server.download_region(timeout=config.join_state_timeout,
+                                    peers=sorted(peers) if peers is not None else None)
     if served is None or served.round < stats.round:
         return  # not newer than what this peer holds
     state.anchor, state.momentum = region_model(served, rule=rule, member=member), served.momentum or None

@@ -11,6 +11,7 @@ from typing import Callable
 
 from worldlm_p2p.config import PeerConfig, RunManifest
 from worldlm_p2p.net import records
+from worldlm_p2p.net.admission import RegionAdmission
 
 from worldlm_p2p.peer.state import RegionState
 from worldlm_p2p.peer.stats import PeerStats
@@ -21,12 +22,17 @@ logger = logging.getLogger(__name__)
 class Progress:
     def __init__(self, *, dht, validators, dht_lock: threading.Lock, config: PeerConfig, manifest: RunManifest,
                  peer_id: str, label: str, stats: PeerStats, state: RegionState, epsilon: Callable[[], float],
-                 is_leader: Callable[[], bool], finished: threading.Event) -> None:
+                 is_leader: Callable[[], bool], finished: threading.Event, admission: RegionAdmission,
+                 certificate: dict | None) -> None:
         self.dht, self.validators, self.dht_lock = dht, validators, dht_lock
         self.config, self.manifest, self.peer_id, self.label = config, manifest, peer_id, label
         self.stats, self.state, self.epsilon, self.is_leader, self.finished = stats, state, epsilon, is_leader, finished
+        self.admission, self.certificate = admission, certificate
         self.train_started: float | None = None
         self._thread: threading.Thread | None = None
+        self._refused: set[str] = set()  # peers whose records were ignored (logged once each)
+        # the peers this one may average with, from the last records read (None: an open group)
+        self.admitted: set[str] | None = set() if self._closed_group(everyone=False) else None
 
     def record(self) -> records.ProgressRecord:
         s, border = self.stats, self.state.border
@@ -42,7 +48,7 @@ class Progress:
             loss_trend=tuple(h["loss"] for h in s.history[-records.MAX_LOSS_TREND:]), epsilon=self.epsilon(),
             border_epsilon=border.epsilon() if border is not None else -1.0,
             border_releases=border.releases if border is not None else -1,
-            mix_region=s.recent_mix("region"), mix_world=s.recent_mix("world"))
+            mix_region=s.recent_mix("region"), mix_world=s.recent_mix("world"), certificate=self.certificate)
 
     def publish(self) -> None:
         try:
@@ -52,12 +58,30 @@ class Progress:
         except Exception as e:  # the DHT may be shutting down
             logger.debug("could not publish progress: %s", e)
 
+    def _closed_group(self, *, everyone: bool) -> bool:
+        return self.admission.requires(self.config.region) or (everyone and any(
+            self.admission.requires(r) for r, _ in self.manifest.admission.regions))
+
     def region_records(self, *, everyone: bool) -> list[records.ProgressRecord]:
-        """The records of the other live members of this peer's group (``everyone``: of the whole run)."""
+        """The records of the other members of this peer's group (``everyone``: of the whole run)
+        that are admitted to the region they claim; the others are ignored (logged once per peer),
+        and :attr:`admitted` becomes the peers this one may average with."""
         with self.dht_lock:
             recs = records.fetch_progress(self.dht, self.manifest.run_id)
-        return [r for r in recs if (everyone or r.region == self.config.region)
+        mine = [r for r in recs if (everyone or r.region == self.config.region)
                 and r.peer_id != self.peer_id and r.fingerprint == self.manifest.fingerprint()]
+        out = []
+        for r in mine:
+            why = self.admission.why_not(r)
+            if why is None:
+                out.append(r)
+            elif r.peer_id not in self._refused:
+                self._refused.add(r.peer_id)
+                logger.warning("ignoring peer %s (%r) of region %s: not admitted (%s)", r.peer_id, r.label[:40],
+                               r.region, why)
+        if self._closed_group(everyone=everyone):
+            self.admitted = {r.peer_id for r in out}
+        return out
 
     def start(self) -> None:
         """Publish now and then every ``progress_interval`` seconds until ``finished`` is set."""

@@ -69,17 +69,19 @@ class RegionRound:
                  started: float, payload_bytes: int, fetch_others: Callable[[], list], publish: Callable[[], None],
                  stopping: Callable[[], bool], trace: Callable[[str, dict], None],
                  before_average: Callable[[], None], on_averaged: Callable[[RoundResult], None],
-                 on_alone: Callable[[bool], None], on_refresh: Callable[[int], None], events: EventLog) -> None:
+                 on_alone: Callable[[bool], None], on_refresh: Callable[[int], None], events: EventLog,
+                 admitted: Callable[[], set[str] | None] = lambda: None) -> None:
         """``before_average()``: world changes due are adopted there; ``on_averaged(result)``: counts
         the round towards world rounds; ``on_alone(no_live_peer)``: the region of one;
-        ``on_refresh(missed)``: a peer that joined from the region's state finds the region ahead."""
+        ``on_refresh(missed)``: a peer that joined from the region's state finds the region ahead;
+        ``admitted()``: the peers this one may average with (None: an open region)."""
         self.rule, self.averaging, self.averager = rule, averaging, averager
         self.state, self.stats, self.member, self.server = state, stats, member, server
         self.region, self.label, self.started, self.payload_bytes = region, label, started, payload_bytes
         self.fetch_others, self.publish, self.stopping, self.trace = fetch_others, publish, stopping, trace
         self.before_average, self.on_averaged, self.on_alone, self.on_refresh = (before_average, on_averaged,
                                                                                  on_alone, on_refresh)
-        self.events = events
+        self.events, self.admitted = events, admitted
         self._was_alone = False
 
     def run(self) -> Outcome:
@@ -125,6 +127,9 @@ class RegionRound:
         weight = aggregation.round_weight(s.tokens_since_round)
         payload = rounds.region_payload(self.rule, pre, anchor)
         self.averager.set_target_group_size(min(waiting + 1, self.averaging.target_group_size))
+        admitted = self.admitted()
+        if admitted is not None:  # an admitting region: only the members whose records the barrier admitted
+            self.averager.set_admitted(admitted)
         result = self.averager.run_round(payload, weight=weight, gather=dict(
             label=self.label, weight=weight, tokens=s.tokens_since_round, round=s.round, world=s.world_round))
         if result.ok and not all(bool(torch.isfinite(t).all()) for t in result.averaged):

@@ -5,6 +5,7 @@ change) and what it downloads from others, through the averager's state sharing 
 from __future__ import annotations
 
 import logging
+import time
 
 from worldlm_p2p.codec import ServedState, StateError
 from worldlm_p2p.net.averaging import RegionAverager
@@ -42,9 +43,23 @@ class StateServer:
             logger.warning("rejected %s from a peer: %s", what, e)
             return None
 
-    def download_region(self, *, timeout: float) -> ServedState | None:
+    def download_region(self, *, timeout: float, peers: list[str] | None = None) -> ServedState | None:
         """The region's state from whichever live peer serves the most recent one (None, logged,
-        when none arrives in time or it does not fit this run)."""
+        when none arrives in time or it does not fit this run). ``peers``: ask only these, in this
+        order (an admitting region: its admitted members, never whoever declares the highest
+        priority)."""
+        if peers is not None:
+            deadline = time.monotonic() + timeout
+            for peer_id in peers:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                served = self.download_from(peer_id, timeout=min(left, 10.0))
+                if served is not None:
+                    return served
+            logger.warning("could not download the region's model from its admitted members within %.0fs; keeping "
+                           "the model this peer has", timeout)
+            return None
         loaded = self.averager.download_region_state(timeout=timeout)
         if loaded is None:
             logger.warning("could not download the region's model within %.0fs; keeping the model this peer has",

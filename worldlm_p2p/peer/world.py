@@ -53,7 +53,7 @@ class WorldRounds:
     def __init__(self, *, dht, validators, dht_lock: threading.Lock, config: PeerConfig, manifest: RunManifest,
                  peer_id: str, rule: rounds.RoundRule, state: RegionState, stats: PeerStats, member: Member,
                  server: StateServer, trace: Callable[[str, dict], None], stopping: Callable[[], bool],
-                 events: EventLog) -> None:
+                 events: EventLog, admitted: Callable[[], set[str] | None] = lambda: None) -> None:
         self.dht, self.validators, self.dht_lock = dht, validators, dht_lock
         self.config, self.manifest, self.peer_id, self.rule = config, manifest, peer_id, rule
         self.state, self.stats, self.member, self.server, self.trace = state, stats, member, server, trace
@@ -65,7 +65,7 @@ class WorldRounds:
         m = manifest
         self.lease = LeaderLease(dht=dht, validators=validators, run_id=m.run_id, region=config.region,
                                  peer_id=peer_id, fingerprint=m.fingerprint(), ttl=m.averaging.leader_ttl,
-                                 lock=dht_lock, world_round=stats.world_round)
+                                 lock=dht_lock, world_round=stats.world_round, admitted=admitted)
         if state.border is not None and state.world_ref is None:
             # a late joiner does not know the last world model, the reference of border deltas:
             # it may lead only after it has adopted a world round
