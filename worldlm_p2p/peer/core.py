@@ -100,7 +100,7 @@ class Peer:
                                       manifest=m, peer_id=self.peer_id, rule=self.rule, state=self._state,
                                       stats=self.stats, member=self._member, server=self._server, trace=self._trace,
                                       stopping=self._stop.is_set, events=self.events,
-                                      admitted=lambda: progress.admitted)
+                                      admitted=lambda: progress.admitted, run_admitted=progress.run_admitted)
         world = self._world
         self._round = RegionRound(
             rule=self.rule, averaging=m.averaging, averager=self._averager, state=self._state, stats=self.stats,

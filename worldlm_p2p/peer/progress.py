@@ -83,6 +83,19 @@ class Progress:
             self.admitted = {r.peer_id for r in out}
         return out
 
+    def run_admitted(self) -> dict[str, str] | None:
+        """The peers of the whole run admitted to the regions they claim (a peer of an open region
+        always is), peer id -> region, for world rounds between leaders; None when no region of the
+        run admits."""
+        if not self.manifest.admission.regions:
+            return None
+        with self.dht_lock:
+            recs = records.fetch_progress(self.dht, self.manifest.run_id)
+        out = {r.peer_id: r.region for r in recs if r.fingerprint == self.manifest.fingerprint()
+               and self.admission.why_not(r) is None}
+        out[self.peer_id] = self.config.region
+        return out
+
     def start(self) -> None:
         """Publish now and then every ``progress_interval`` seconds until ``finished`` is set."""
         self.publish()

@@ -53,11 +53,16 @@ class WorldRounds:
     def __init__(self, *, dht, validators, dht_lock: threading.Lock, config: PeerConfig, manifest: RunManifest,
                  peer_id: str, rule: rounds.RoundRule, state: RegionState, stats: PeerStats, member: Member,
                  server: StateServer, trace: Callable[[str, dict], None], stopping: Callable[[], bool],
-                 events: EventLog, admitted: Callable[[], set[str] | None] = lambda: None) -> None:
+                 events: EventLog, admitted: Callable[[], set[str] | None] = lambda: None,
+                 run_admitted: Callable[[], dict[str, str] | None] = lambda: None) -> None:
+        """``admitted()``: the peers that may lead this region (None: an open region);
+        ``run_admitted()``: the peers of the run that may take part in world rounds, peer id -> the
+        region it is admitted to (None: anyone)."""
         self.dht, self.validators, self.dht_lock = dht, validators, dht_lock
         self.config, self.manifest, self.peer_id, self.rule = config, manifest, peer_id, rule
         self.state, self.stats, self.member, self.server, self.trace = state, stats, member, server, trace
-        self.stopping, self.events = stopping, events
+        self.stopping, self.events, self.run_admitted = stopping, events, run_admitted
+        self._run_admitted: dict[str, str] | None = None  # as read at the last world round's start
         self.tokens_since_world = 0.0
         self._exchange = None  # a WorldExchange, created when this peer first leads a world round
         self._thread: threading.Thread | None = None
@@ -76,7 +81,11 @@ class WorldRounds:
         return self.lease.is_leader()
 
     def live_leaders(self) -> int:
-        leases = self.lease.leases()
+        """The regions with a live leader (where some region admits: leaders admitted to theirs, whose
+        lease is signed by their own key), the leaders a world round waits for."""
+        admitted = self._run_admitted
+        leases = [r for r in self.lease.leases() if admitted is None or r.peer_id == self.peer_id
+                  or (admitted.get(r.peer_id) == r.region and r.signer == r.peer_id)]
         now, fp = get_dht_time(), self.manifest.fingerprint()
         return sum(1 for region in {r.region for r in leases}
                    if elect(leases, region=region, now=now, fingerprint=fp) is not None)
@@ -91,6 +100,7 @@ class WorldRounds:
         self.tokens_since_world += tokens
         if s.rounds_since_world < m.aggregation.world_every or not self.lease.is_leader():
             return
+        self._run_admitted = self.run_admitted()
         if self.live_leaders() < 2:
             logger.debug("no other region has a leader: no world round")
             return
@@ -106,6 +116,8 @@ class WorldRounds:
                                            run_id=m.run_id, region=self.config.region, peer_id=self.peer_id,
                                            fingerprint=m.fingerprint(), rule=self.rule, averaging=m.averaging,
                                            template=snapshot)
+        if self._run_admitted is not None:  # the leaders' group: only peers admitted to their regions
+            self._exchange.averager.set_admitted(set(self._run_admitted))
         tokens = self.tokens_since_world
         s.rounds_since_world, self.tokens_since_world = 0, 0.0
         sent, released = self._border_release(snapshot)
