@@ -49,5 +49,10 @@ def test_only_admitted_peers_average_and_a_stranger_moves_nothing(procs, tmp_pat
         assert stranger_id not in ta[r]["gathered"]
         group = group_of(tmp_path, "eu-a", r)
         assert {t["label"] for t in group} == {"eu-a", "eu-b"}
-        exact += round_error(group) < 1e-5  # the pure round of the two admitted members: nothing of x1000
-    assert exact >= 2, f"only {exact} of {len(rounds)} rounds equal the pure round of the admitted members"
+        # the pure round of the two admitted members: nothing of the stranger's x1000 payload (hivemind
+        # lets a member keep its own values for a part whose reducer timed out, so on a loaded machine
+        # a round may be partial: then the error stays small, never of the stranger's size)
+        err = round_error(group)
+        assert err < 0.05, (r, err)
+        exact += err < 1e-5
+    assert rounds and exact >= 1, f"{exact} of {len(rounds)} rounds equal the pure round of the admitted members"

@@ -93,6 +93,8 @@ def test_what_a_member_checks_of_a_record():
     assert rules.requires("eu") and not rules.requires("na")
     assert rules.why_not(_record()) is None
     assert rules.why_not(_record(region="na", certificate=None)) is None  # an open region
+    # ... where, too, nobody speaks for another peer: the record must be signed by its own key
+    assert "not signed by the key" in rules.why_not(_record(region="na", certificate=None, signer="QmOther"))
     assert "not signed by the key" in rules.why_not(_record(signer=peer_id_of(OTHER_KEY.get_public_key())))
     assert "not signed by the key" in rules.why_not(_record(signer=None))
     assert rules.why_not(_record(certificate=None)) == "no certificate"

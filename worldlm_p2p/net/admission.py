@@ -156,13 +156,15 @@ class RegionAdmission:
 
     def why_not(self, record) -> str | None:
         """Why the peer behind a progress record is not admitted to the region it claims (None: it
-        is, or the region is open). The record must be signed in the DHT by the key of the peer id
-        it claims, and carry a certificate of the region's key for that peer id."""
+        is). Every record must be signed in the DHT by the key of the peer id it claims (a peer signs
+        its records with its libp2p identity key), so that nobody speaks for another peer, in open
+        regions too; in an admitting region it must also carry a certificate of the region's key
+        for that peer id."""
+        if record.signer is None or record.signer != record.peer_id:  # (every peer signs with its p2p key)
+            return "its record is not signed by the key of the peer id it claims"
         key = self._keys.get(record.region)
         if key is None:
             return None
-        if record.signer is None or record.signer != record.peer_id:
-            return "its record is not signed by the key of the peer id it claims"
         try:
             cert = Certificate.from_wire(record.certificate) if record.certificate is not None else None
         except ValueError as e:

@@ -47,7 +47,7 @@ def parse_maddrs(values: Iterable[str], *, what: str, require_peer_id: bool) -> 
     return tuple(out)
 
 
-def ensure_identity(path: str | Path):
+def ensure_identity(path: str | Path, *, announce: bool = True):
     """Load the libp2p identity at ``path`` or create it (mode 0600) if missing.
 
     The same RSA key signs this process's DHT records, so a restarted peer keeps both its peer id
@@ -72,7 +72,8 @@ def ensure_identity(path: str | Path):
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        logger.info("created a new identity at %s (mode 0600); keep it private and back it up", path)
+        if announce:
+            logger.info("created a new identity at %s (mode 0600); keep it private and back it up", path)
         return key
     try:
         blob = path.read_bytes()

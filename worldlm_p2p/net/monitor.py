@@ -12,7 +12,7 @@ plain JSON-able dict; this is the schema ``worldlm-monitor --once --json`` print
                   | null,                  # null when the run manifest was not found in the DHT
       "regions": {
         "eu": {
-          "leader": "12D3KooW..." | null,  # peer id holding the region's leader lease (null: none)
+          "leader": "Qm..." | null,       # peer id holding the region's leader lease (null: none)
           "leader_label": "eu-de" | null,
           "region_round": 4,               # region rounds the region has run (max over its peers)
           "world_round": 1,                # last world round adopted in the region (-1: none)
@@ -170,8 +170,9 @@ class SwarmMonitor(RunReader):
 
     def snapshot(self) -> dict[str, Any]:
         """Read the run's records now and build a snapshot."""
-        progress = self.progress()
-        leases = self.leases() if progress else []
+        # a record signed by another key than that of the peer id it claims speaks for someone else
+        progress = [r for r in self.progress() if r.signer == r.peer_id]
+        leases = [r for r in self.leases() if r.signer == r.peer_id] if progress else []
         return build_snapshot(progress, leases, run_id=self.run_id, now=time.time(), dht_now=get_dht_time(),
                               manifest=self.manifest)
 

@@ -5,7 +5,9 @@ initialisation."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -48,15 +50,18 @@ class Network:
 def connect(config: PeerConfig, *, stopping: Callable[[], bool]) -> Network:
     """Join the DHT (bounded retries), fetch the run manifest and refuse to go on when a local
     setting or this region's privacy contradicts it."""
-    key = ensure_identity(config.net.identity_path) if config.net.identity_path else None
-    if key is None:
-        from hivemind.utils.crypto import RSAPrivateKey
-
-        key = RSAPrivateKey()
-    # the run id is known only after the manifest is fetched; start with the runs schema and add the
-    # progress schema once the run is known
-    validators = records.make_validators(None, key)
-    dht = start_dht(config.net, record_validators=validators)
+    # one key for the libp2p identity and for the signatures of this peer's DHT records, so that
+    # every record's signer can be matched with the peer id it claims: the --identity, or else a
+    # key made for this process (its file lives only until the p2p daemon has read it)
+    net = config.net
+    with tempfile.TemporaryDirectory(prefix="worldlm-identity-") as tmp:
+        if not net.identity_path:
+            net = dataclasses.replace(net, identity_path=str(Path(tmp) / "identity.key"))
+        key = ensure_identity(net.identity_path, announce=bool(config.net.identity_path))
+        # the run id is known only after the manifest is fetched; start with the runs schema and add
+        # the progress schema once the run is known
+        validators = records.make_validators(None, key)
+        dht = start_dht(net, record_validators=validators)
     try:
         manifest = fetch_run_manifest(dht, run_id=config.run_id, wait=config.manifest_wait, should_stop=stopping)
         conflicts = manifest_conflicts(manifest, config.local_overrides)
