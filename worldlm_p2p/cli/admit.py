@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         # capture it; its log lines go to stderr
         setup_logging(hivemind=False, stream=sys.stderr)
         if args.command == "keygen":
-            check_name("region", args.region) if args.region != "REGION" else None
+            if args.region != "REGION":
+                check_name("region", args.region)
             key = ensure_identity(args.key)
             print(f'{args.region} = "{admission.public_key_text(key)}"')
         elif args.command == "peer-id":

@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> None:
         from worldlm_p2p.net.dht import parse_maddrs
 
         manifest = RunManifest.from_toml(args.run_config) if args.run_config else None
+        if manifest is not None:  # a region key that does not parse would lock that region's peers out
+            from worldlm_p2p.net.admission import RegionAdmission
+
+            RegionAdmission.of(manifest)
         identity_existed = bool(args.identity) and Path(args.identity).exists()
         net = NetConfig(initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs),
                         announce_maddrs=tuple(args.announce_maddrs), identity_path=args.identity)
