@@ -13,6 +13,7 @@ Pure math (imports torch only; explicit generators and seeds):
 - ``outer_optim``: the outer optimizer of a round (state in, state out).
 - ``privacy``: border DP: clipping, Gaussian noise and their accountant.
 - ``rounds``: what a region round and a world round compute, for every strategy.
+- ``robust``: the robust rule of an all-reduce (clipped mean around the median, weight cap, NaN out).
 - ``checkpoint``: atomic, self-verifying checkpoints.
 - ``codec``: what peers serve each other and checkpoint, as typed records with one decoder each.
 

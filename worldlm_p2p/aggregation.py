@@ -46,6 +46,14 @@ def round_weight(tokens_since_last_round: int) -> float:
     return float(tokens_since_last_round) if tokens_since_last_round > 0 else 1e-3
 
 
+def max_round_weight(*, inner_steps: int, batch_size: int, seq_len: int) -> float:
+    """The largest weight a member may claim in a region round: the tokens of twice the run's H
+    steps (a member that missed one round trains two rounds' worth; Poisson sampling under DP
+    varies a batch around its mean). A larger claim is capped to this by every reducer
+    (:mod:`worldlm_p2p.robust`)."""
+    return 2.0 * inner_steps * batch_size * seq_len
+
+
 def outer_step(anchor: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor], lr: float) -> list[torch.Tensor]:
     """FedAvg-style outer update: ``anchor + lr * (averaged - anchor)``; ``lr = 1`` adopts the mean."""
     if lr == 1.0:

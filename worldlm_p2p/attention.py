@@ -103,16 +103,24 @@ def encode_key_layers(key: Sequence[torch.Tensor], reference: Sequence[torch.Ten
 
 def decode_key_layers(averaged: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], *,
                       eps: float) -> list[torch.Tensor]:
-    """Turn the all-reduced payload of :func:`encode_key_layers` into the new key layers."""
+    """Turn the all-reduced payload of :func:`encode_key_layers` into the new key layers.
+
+    An honest group's denominators lie in ``[exp(MIN_SCORE), 1]``. A layer whose reduced
+    denominator is not positive and finite, or whose mean is not finite (what a malicious member's
+    payload can leave after the robust rule, :mod:`worldlm_p2p.robust`), keeps its reference: the
+    round still updates every other layer and the backbone."""
     if len(averaged) != len(reference) + 1:
         raise ValueError(f"payload has {len(averaged)} tensors, expected {len(reference) + 1}")
     u = averaged[-1].to(torch.float64)
-    if u.numel() != len(reference) or bool((u <= 0).any()) or not bool(torch.isfinite(u).all()):
-        raise ValueError("attention denominators must be positive and finite")
+    if u.numel() != len(reference):
+        raise ValueError(f"payload has {u.numel()} attention denominators, expected {len(reference)}")
     out = []
     for l, ref in enumerate(reference):
         r64 = ref.detach().to(torch.float64)
-        mean_k = averaged[l].to(torch.float64) / u[l]
+        ul = float(u[l])
+        mean_k = averaged[l].to(torch.float64) / ul if math.isfinite(ul) and ul > 0 else r64
+        if not bool(torch.isfinite(mean_k).all()):
+            mean_k = r64
         out.append((r64 + eps * (mean_k - r64)).to(ref.dtype))
     return out
 

@@ -22,6 +22,8 @@ WorldTarget = Literal["mean", "attention"]
 PersonalScope = Literal["key", "all"]
 #: the outer optimizer of region rounds (:mod:`worldlm_p2p.outer_optim`)
 OuterOptimizer = Literal["sgd", "nesterov"]
+#: how a region's (and the leaders') all-reduce combines its members' payloads (:mod:`worldlm_p2p.robust`)
+RobustRule = Literal["clip", "mean"]
 
 SWARM_STRATEGIES: tuple[str, ...] = get_args(SwarmStrategy)
 STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)
@@ -30,3 +32,4 @@ MIX_RULES: tuple[str, ...] = get_args(MixRule)
 WORLD_TARGETS: tuple[str, ...] = get_args(WorldTarget)
 PERSONAL_SCOPES: tuple[str, ...] = get_args(PersonalScope)
 OUTER_OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizer)
+ROBUST_RULES: tuple[str, ...] = get_args(RobustRule)

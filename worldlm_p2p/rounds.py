@@ -1,11 +1,14 @@
 """What a region round and a world round compute, for every strategy (pure: imports torch only).
 
 The swarm and the simulator share these functions; only the averaging differs (a hivemind
-all-reduce in the swarm, :func:`worldlm_p2p.aggregation.weighted_mean` in the simulator and in
-tests). A round is three steps:
+all-reduce in the swarm, :func:`group_average` in the simulator and in tests: the same robust rule,
+:mod:`worldlm_p2p.robust`, that every reducer of the swarm's all-reduce applies). A round is three
+steps:
 
 1. :func:`region_payload`: what a member puts into the all-reduce (weight: its tokens);
-2. the all-reduce: ``sum_i w_i x_i / sum_i w_i`` over the group;
+2. the all-reduce: the run's robust rule over the group (``aggregation.robust``: by default the
+   weighted mean of the values clipped around the members' median; ``"mean"``:
+   ``sum_i w_i x_i / sum_i w_i``);
 3. :func:`region_step`: turn the averaged payload into the region's agreed model and the member's
    next model; with ``worldlm``'s evidence mixing, :func:`member_mix` then moves the member's own
    model towards the agreed one as far as its tune slice supports (and :func:`member_world_mix`
@@ -30,7 +33,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from worldlm_p2p import attention, mixing, privacy, residual
+from worldlm_p2p import attention, mixing, privacy, residual, robust
 from worldlm_p2p.aggregation import weighted_mean
 from worldlm_p2p.config import AggregationConfig
 from worldlm_p2p.outer_optim import outer_update
@@ -132,6 +135,16 @@ class RoundRule:
 # ------------------------------------------------------------------------------ region rounds
 
 
+def group_average(rule: RoundRule, payloads: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], *,
+                  max_weight: float | None = None) -> list[torch.Tensor]:
+    """What the group's all-reduce computes from its members' ``payloads``: the run's robust rule
+    (:func:`worldlm_p2p.robust.robust_mean_of_lists`), weights capped at ``max_weight``."""
+    out, _ = robust.robust_mean_of_lists(payloads, weights, rule=rule.config.robust, clip=rule.config.robust_clip,
+                                         max_weight=max_weight)
+    return out
+
+
+
 def region_payload(rule: RoundRule, params: Sequence[torch.Tensor], anchor: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """A member's all-reduce payload: B (or the whole model), then the encoded K for ``worldlm``."""
     if not rule.strategy.averages:
@@ -222,7 +235,7 @@ def region_round(rule: RoundRule, members: Sequence[Sequence[torch.Tensor]], wei
                  ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor] | None]:
     """The central reference of a whole region round: every member's next model, and the momentum.
 
-    This is exactly what the swarm computes, with the all-reduce replaced by :func:`weighted_mean`."""
+    This is exactly what the swarm computes, with the all-reduce replaced by :func:`group_average`."""
     out, new_m, _ = region_round_with_anchor(rule, members, weights, anchor=anchor, momentum=momentum,
                                              loss_of=loss_of)
     return out, new_m
@@ -231,11 +244,12 @@ def region_round(rule: RoundRule, members: Sequence[Sequence[torch.Tensor]], wei
 def region_round_with_anchor(rule: RoundRule, members: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], *,
                              anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None,
                              loss_of: Sequence[LossOf | None] | None = None,
-                             choices: list | None = None
+                             choices: list | None = None, max_weight: float | None = None
                              ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor] | None, list[torch.Tensor]]:
     """:func:`region_round` plus the region's new agreed model (see :func:`region_step`). With
     ``mix="evidence"``, ``loss_of[i]`` is member ``i``'s tune-slice loss (None: no slice) and each
     member's :class:`~worldlm_p2p.mixing.MixChoice` is appended to ``choices`` when given.
+    ``max_weight``: the cap on a member's weight (:func:`worldlm_p2p.aggregation.max_round_weight`).
 
     A group of one member has nothing to average, as a swarm peer alone in its region holds no
     region round (:meth:`worldlm_p2p.peer.core.Peer._region_of_one`): its model is the group's agreed
@@ -246,7 +260,7 @@ def region_round_with_anchor(rule: RoundRule, members: Sequence[Sequence[torch.T
             choices.append(None)
         return [own], momentum, [t.clone() for t in own]
     payloads = [region_payload(rule, p, anchor) for p in members]
-    averaged = weighted_mean(payloads, weights)
+    averaged = group_average(rule, payloads, weights, max_weight=max_weight)
     out, new_m, agreed = [], momentum, None
     for i, p in enumerate(members):
         new, agreed, new_m = region_step(rule, averaged, params=p, anchor=anchor, momentum=momentum)
@@ -403,7 +417,7 @@ def world_round(rule: RoundRule, regions: Mapping[str, Sequence[torch.Tensor]],
     other regions fetch of it (its served residual and sketch) is computed from what it sent."""
     names = sorted(regions)
     sent = sent or {}
-    averaged = weighted_mean([world_payload(rule, sent.get(r, regions[r])) for r in names],
+    averaged = group_average(rule, [world_payload(rule, sent.get(r, regions[r])) for r in names],
                              [tokens[r] for r in names])
     models, ks, weights_out, fetched_out = {}, {}, {}, {}
     for r in names:

@@ -4,7 +4,8 @@ One virtual peer per sub-corpus of ``<region>/<sub_corpus>/{train.txt,valid.txt}
 the swarm's own local-training code (:class:`~worldlm_p2p.train.LocalTrainer`, same model init,
 same batch stream for the same ``(seed, region, label)``), and rounds are the swarm's own pure
 functions (:mod:`worldlm_p2p.rounds`) with the all-reduce replaced by
-:func:`~worldlm_p2p.aggregation.weighted_mean`. There is no second implementation of the math.
+:func:`~worldlm_p2p.rounds.group_average` (the robust rule every reducer of the swarm applies).
+There is no second implementation of the math.
 
 Schedule: ``rounds`` region rounds of ``H`` local steps; for ``worldlm`` and ``hierfavg`` a world
 round among the regions' leaders after every ``world_every``-th region round, whose result every
@@ -30,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from worldlm_p2p.aggregation import allreduce_traffic, round_weight
+from worldlm_p2p.aggregation import allreduce_traffic, max_round_weight, round_weight
 from worldlm_p2p.config import AggregationConfig, ModelConfig, PrivacyConfig, TokenizerSpec, TrainConfig, _require
 from worldlm_p2p.errors import ConfigError, DataError
 from worldlm_p2p.privacy import BorderAccountant
@@ -205,7 +206,10 @@ class Simulator:
                 choices: list = []
                 new, momenta[name], anchors[name] = region_round_with_anchor(
                     rule, params, weights, anchor=anchors[name], momentum=momenta.get(name),
-                    loss_of=[self._loss_of(p) for p in members], choices=choices)
+                    loss_of=[self._loss_of(p) for p in members], choices=choices,
+                    max_weight=max_round_weight(inner_steps=self.config.train.inner_steps,
+                                                batch_size=self.config.train.batch_size,
+                                                seq_len=self.config.train.seq_len))
                 for p, c in zip(members, choices):
                     p.tune_loss = c.loss if c is not None else None  # the slice loss of the model it keeps
                     if c is not None or (rule.evidence and len(members) > 1):  # no slice: took nothing

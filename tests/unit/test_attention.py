@@ -244,7 +244,15 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError):
         decode_key_layers(payload[:-1], ref, eps=1.0)
     with pytest.raises(ValueError):
-        decode_key_layers(payload[:-1] + [torch.zeros(2)], ref, eps=1.0)
+        decode_key_layers(payload[:-1] + [torch.ones(len(ref) + 1)], ref, eps=1.0)
+    # a layer whose reduced denominator is not positive (or whose mean is not finite) keeps its reference
+    bad_u = payload[-1].clone()
+    bad_u[0] = -0.5
+    got = decode_key_layers(payload[:-1] + [bad_u], ref, eps=1.0)
+    assert torch.equal(got[0], ref[0])
+    torch.testing.assert_close(got[1], decode_key_layers(payload, ref, eps=1.0)[1])
+    nan_k = [payload[0].clone().fill_(float("inf"))] + payload[1:]
+    assert torch.equal(decode_key_layers(nan_k, ref, eps=1.0)[0], ref[0])
 
 
 # ----------------------------------------------------------------------------------- personal mix

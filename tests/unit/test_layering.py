@@ -12,7 +12,7 @@ import worldlm_p2p
 PACKAGE = Path(worldlm_p2p.__file__).parent
 # the pure math: torch, the standard library and each other only
 PURE = ("split", "aggregation", "attention", "residual", "mixing", "outer_optim", "privacy", "rounds", "checkpoint",
-        "codec")
+        "codec", "robust")
 # besides the pure modules themselves: the settings (config, their literals, the strategies), which
 # import the standard library only
 PURE_MAY_USE = {"errors", "config", "kinds", "strategies"}
@@ -22,14 +22,14 @@ CASES = [
     ("worldlm_p2p", ["torch", "hivemind", "transformers", "datasets"]),
     ("worldlm_p2p.aggregation", ["hivemind", "transformers", "datasets"]),
     ("worldlm_p2p.split, worldlm_p2p.attention, worldlm_p2p.outer_optim, worldlm_p2p.residual, worldlm_p2p.rounds, "
-     "worldlm_p2p.mixing, worldlm_p2p.privacy",
+     "worldlm_p2p.mixing, worldlm_p2p.privacy, worldlm_p2p.robust",
      ["hivemind", "transformers", "datasets", "pydantic", "msgpack"]),  # (torch itself imports asyncio and numpy)
     ("worldlm_p2p.simulate", ["hivemind"]),
     ("worldlm_p2p.config, worldlm_p2p.kinds, worldlm_p2p.strategies", ["torch", "hivemind", "transformers", "datasets"]),
     ("worldlm_p2p.checkpoint, worldlm_p2p.codec", ["hivemind", "transformers", "datasets"]),
     ("worldlm_p2p.net.records, worldlm_p2p.net.averaging, worldlm_p2p.net.barrier, worldlm_p2p.net.dht, "
      "worldlm_p2p.net.leader, worldlm_p2p.net.world, worldlm_p2p.net.monitor, worldlm_p2p.net.reader, "
-     "worldlm_p2p.net.keys, worldlm_p2p.net.hivemind_compat",
+     "worldlm_p2p.net.keys, worldlm_p2p.net.hivemind_compat, worldlm_p2p.net.robust_allreduce",
      ["transformers", "datasets"]),
     ("worldlm_p2p.train", ["hivemind"]),
 ]

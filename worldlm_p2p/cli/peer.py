@@ -26,7 +26,7 @@ _PEER_KEYS = {
     "region": str, "data": str, "run_id": str, "label": str, "max_steps": int, "max_tokens": int, "device": str,
     "checkpoint_dir": str, "checkpoint_every": int, "threads": int, "initial_peers": list, "host_maddrs": list,
     "announce_maddrs": list, "identity": str, "summary": str, "manifest_wait": float, "trace_dir": str, "events": str, "certificate": str,
-    "privacy": dict,
+    "wait_for_peers": int, "privacy": dict,
 }
 
 
@@ -58,6 +58,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--events", metavar="JSONL", help="append a structured event log here: one JSON object per "
                                                      "line (joined, training, every round's outcome and time, "
                                                      "world rounds, checkpoints)")
+    p.add_argument("--wait-for-peers", type=int, metavar="N",
+                   help="before training, wait until N peers of the region (this one included) are live, for at "
+                        "most 5 minutes (default 0: start at once)")
     p.add_argument("--trace-dir", metavar="DIR", help=argparse_suppress())
     add_flags(p.add_argument_group("differential privacy (the region's policy: [peer.privacy] in its profile)"),
               {"privacy": PrivacyConfig}, PRIVACY_FLAGS)
@@ -125,7 +128,7 @@ def make_config(args) -> PeerConfig:
         privacy=_build_section(PrivacyConfig, "peer.privacy", peer["privacy"]),
     )
     for key, name in (("device", "device"), ("checkpoint_every", "checkpoint_every"),
-                      ("manifest_wait", "manifest_wait")):
+                      ("manifest_wait", "manifest_wait"), ("wait_for_peers", "wait_for_peers")):
         if peer.get(key) is not None:
             kwargs[name] = peer[key]
     config = PeerConfig(**kwargs)

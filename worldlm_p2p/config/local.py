@@ -3,6 +3,8 @@ settings (imports the standard library only)."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -117,6 +119,10 @@ class PeerConfig:
     torch_threads: int | None = None
     manifest_wait: float = 30.0  # seconds to wait for the run manifest to appear in the DHT
     join_state_timeout: float = 30.0  # seconds to wait for the region's current model when joining
+    # before training, wait until this many peers of the region (this one included) are live, for at
+    # most wait_for_peers_timeout seconds (0: start at once; experiments that compare runs use it)
+    wait_for_peers: int = 0
+    wait_for_peers_timeout: float = 300.0
     local_overrides: Mapping[str, Any] = field(default_factory=dict)  # manifest-shaped, must agree
     summary_path: str | None = None  # JSON written at exit (used by worldlm-swarm)
     trace_dir: str | None = None  # audit trail: pre/post tensors of every region round
@@ -137,6 +143,9 @@ class PeerConfig:
         _require(self.progress_interval > 0, "progress_interval", "must be > 0")
         _require(self.progress_ttl > self.progress_interval, "progress_ttl", "must exceed progress_interval")
         _require(self.torch_threads is None or self.torch_threads > 0, "torch_threads", "must be a positive integer")
+        _require(self.wait_for_peers >= 0, "wait_for_peers", "must be a non-negative integer (peers)")
+        _require(math.isfinite(self.wait_for_peers_timeout) and self.wait_for_peers_timeout > 0,
+                 "wait_for_peers_timeout", "must be a finite number of seconds > 0")
         _require(not (self.privacy.peer_epsilon > 0 and self.max_steps is None), "privacy.peer_epsilon",
                  "DP-SGD with a target epsilon needs --max-steps (the noise is calibrated over the run's steps), "
                  "or give privacy.peer_noise instead")

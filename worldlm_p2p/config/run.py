@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from worldlm_p2p.errors import ConfigError
-from worldlm_p2p.kinds import (ATTENTION_FORMS, MIX_RULES, OUTER_OPTIMIZERS, PERSONAL_SCOPES, STRATEGY_NAMES,
-                               SWARM_STRATEGIES, WORLD_TARGETS, AttentionForm, MixRule, OuterOptimizer, PersonalScope,
-                               StrategyName, WorldTarget)
+from worldlm_p2p.kinds import (ATTENTION_FORMS, MIX_RULES, OUTER_OPTIMIZERS, PERSONAL_SCOPES, ROBUST_RULES,
+                               STRATEGY_NAMES, SWARM_STRATEGIES, WORLD_TARGETS, AttentionForm, MixRule, OuterOptimizer,
+                               PersonalScope, RobustRule, StrategyName, WorldTarget)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
@@ -173,6 +173,12 @@ class AggregationConfig:
       ``mix = "cosine"``.
     - ``outer`` / ``outer_lr`` / ``outer_momentum``: the outer optimizer applied to the backbone at
       region rounds (:mod:`worldlm_p2p.outer_optim`); ``sgd`` with lr 1 is FedAvg.
+    - ``robust`` / ``robust_clip``: how a region's all-reduce (and the leaders') combines what its
+      members send (:mod:`worldlm_p2p.robust`). ``"clip"`` (the default): every value clipped to
+      ``robust_clip`` spreads around the members' coordinate-wise median, weights capped at the
+      tokens of one round, NaN/Inf left out, so that a malicious minority moves the agreed model by
+      a bounded amount; ``"mean"``: hivemind's weighted mean (the weight cap and the NaN/Inf rule
+      still hold).
     """
 
     strategy: StrategyName = "worldlm"
@@ -198,6 +204,8 @@ class AggregationConfig:
     outer: OuterOptimizer = "sgd"
     outer_lr: float = 1.0  # 1.0 with sgd = plain FedAvg: adopt the averaged model
     outer_momentum: float = 0.9  # nesterov only
+    robust: RobustRule = "clip"
+    robust_clip: float = 4.0
 
     def __post_init__(self) -> None:
         _require(self.strategy in STRATEGY_NAMES, "aggregation.strategy",
@@ -228,6 +236,10 @@ class AggregationConfig:
                  f"{self.outer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
         _require(0 < self.outer_lr <= 2, "aggregation.outer_lr", "must be in (0, 2]")
         _require(0 <= self.outer_momentum < 1, "aggregation.outer_momentum", "must be in [0, 1)")
+        _require(self.robust in ROBUST_RULES, "aggregation.robust",
+                 f"{self.robust!r} is not one of {', '.join(ROBUST_RULES)}")
+        _require(math.isfinite(self.robust_clip) and self.robust_clip >= 1, "aggregation.robust_clip",
+                 "must be a finite number >= 1, e.g. 4")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -241,6 +253,7 @@ class AveragingConfig:
     min_group_size: int = 2
     target_group_size: int = 64
     leader_ttl: float = 10.0  # a region leader's lease; a dead leader is replaced within about this long
+    ban_after: int = 2  # a member caught by the robust rule in this many rounds is never averaged with again
 
     def __post_init__(self) -> None:
         _require(self.matchmaking_time > 0, "averaging.matchmaking_time", "must be > 0")
@@ -254,6 +267,7 @@ class AveragingConfig:
         _require(self.target_group_size >= self.min_group_size, "averaging.target_group_size",
                  "must be >= averaging.min_group_size")
         _require(self.leader_ttl >= 1.0, "averaging.leader_ttl", "must be >= 1 second")
+        _require(self.ban_after >= 1, "averaging.ban_after", "must be a positive integer (rounds)")
 
 
 # ----------------------------------------------------------------------------------- privacy

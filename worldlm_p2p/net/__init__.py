@@ -7,6 +7,8 @@
 - ``records``: signed, schema-validated DHT records (run manifests, peer progress, leader leases).
 - ``schemas``: the wire schemas every DHT node checks before storing, and the validators.
 - ``averaging``: the region all-reduce (``RegionAverager``) and late-joiner state download.
+- ``robust_allreduce``: hivemind's all-reduce with the robust rule in every reducer, and the check
+  of what the reducers send back.
 - ``barrier``: waiting for the live peers of a region before a round.
 - ``leader``: electing one leader per region through an expiring DHT lease.
 - ``world``: world rounds among region leaders (backbone all-reduce, residual records, residuals

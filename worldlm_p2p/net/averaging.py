@@ -5,8 +5,9 @@ state donors and RPCs, so peers of different regions (or runs) can never meet in
 (hivemind's group bits are rotated after every round and would mix regions; a prefix does not).
 
 The averager holds a copy of the model's tensors. A region round is: copy the local model in,
-``step(weight=...)`` (hivemind computes ``sum w x / sum w`` over the group), copy the result out.
-The math applied around it lives in :mod:`worldlm_p2p.aggregation`.
+``step(weight=...)`` (every reducer applies the run's robust rule, :mod:`worldlm_p2p.robust`, through
+:mod:`worldlm_p2p.net.robust_allreduce`, instead of hivemind's ``sum w x / sum w``), copy the result
+out. The math applied around it lives in :mod:`worldlm_p2p.aggregation` and :mod:`worldlm_p2p.rounds`.
 
 Late joiners download the region's *last agreed* model (not a donor's in-progress weights) with
 ``load_state_from_peers``; donors serve it from :meth:`RegionAverager.get_current_state`.
@@ -31,6 +32,7 @@ from worldlm_p2p.config import AveragingConfig
 
 from worldlm_p2p.net import hivemind_compat
 from worldlm_p2p.net.keys import averager_prefix
+from worldlm_p2p.net.robust_allreduce import RobustAllReduceRunner, RobustSettings, RoundReport
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +46,10 @@ class RoundResult:
     ok: bool
     group_size: int  # peers in the group, self included (0 if no group was formed)
     gathered: dict  # peer id (str) -> metadata each member sent
-    averaged: list[torch.Tensor] | None  # the group's weighted mean, if ok
+    averaged: list[torch.Tensor] | None  # the group's (robust) average, if ok
     error: str = ""
     seconds: float = 0.0
+    report: RoundReport = RoundReport()  # the senders this peer's reducer caught, the reducers that failed it
 
 
 class RegionAverager(DecentralizedAverager):
@@ -54,7 +57,9 @@ class RegionAverager(DecentralizedAverager):
     region's last agreed model with late joiners."""
 
     def __init__(self, *, tensors: Sequence[torch.Tensor], dht, run_id: str, region: str,
-                 averaging: AveragingConfig, fingerprint: str, start: bool = True) -> None:
+                 averaging: AveragingConfig, fingerprint: str, robust: RobustSettings = RobustSettings(),
+                 clipped_above: float = 0.5, start: bool = True) -> None:
+        self._robust, self._clipped_above = robust, float(clipped_above)
         self._shared_lock = threading.Lock()
         self._shared_tensors: list[torch.Tensor] = [t.detach().clone() for t in tensors]
         self._shared_meta: dict[str, Any] = dict(round=0, fingerprint=fingerprint)
@@ -106,7 +111,20 @@ class RegionAverager(DecentralizedAverager):
         self._admitted = None if peer_ids is None else frozenset(peer_ids) | {str(self.peer_id)}
         future.set_result(None)
 
+    def set_banned(self, peer_ids: Sequence[str], *, timeout: float = 5.0) -> None:
+        """Never average with, nor serve state to, these peers again (senders caught repeatedly)."""
+        try:
+            hivemind_compat.call_in_averager(self, "_set_banned", sorted(peer_ids), timeout=timeout)
+        except Exception as e:
+            hivemind_compat.warn_once("banning peers", e)
+
+    async def _set_banned(self, peer_ids, future) -> None:  # runs in the averager process
+        self._banned = frozenset(peer_ids) - {str(self.peer_id)}
+        future.set_result(None)
+
     def _refused(self, peer_id) -> bool:  # averager process
+        if str(peer_id) in getattr(self, "_banned", ()):
+            return True
         admitted = getattr(self, "_admitted", None)
         return admitted is not None and str(peer_id) not in admitted
 
@@ -142,8 +160,54 @@ class RegionAverager(DecentralizedAverager):
         if strangers:
             from hivemind.averaging.allreduce import AllreduceException
 
-            raise AllreduceException(f"the group holds peers not admitted to this region: {', '.join(strangers)}")
+            raise AllreduceException(f"the group holds peers not admitted to this region or banned: "
+                                     f"{', '.join(strangers)}")
         return await super()._aggregate_with_group(group_info, *args, **kwargs)
+
+    # ------------------------------------------------------------------ robust all-reduce (averager process)
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        """hivemind's, with :class:`~worldlm_p2p.net.robust_allreduce.RobustAllReduceRunner`: every
+        reducer applies the robust rule; a round whose spans did not all come back finite fails (and
+        the tensors are restored, so that a retry starts from this member's own payload)."""
+        from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+        from hivemind.utils.asyncio import as_aiter, azip
+
+        group_id = group_info.group_id if group_id is None else group_id
+        before = [t.detach().clone() for t in tensors]
+        runner = RobustAllReduceRunner(robust_settings=self._robust, p2p=hivemind_compat.p2p_of(self),
+                                       servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+                                       group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
+        hivemind_compat.register_runner(self, group_id, runner)
+        self._last_report = RoundReport()
+        try:
+            if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+                async for _ in runner:
+                    raise ValueError("aux peers should not receive averaged tensors")
+            else:
+                async for tensor, update in azip(as_aiter(*tensors), runner):
+                    tensor.add_(update)
+            if runner.bad_reducers:
+                raise AllreduceException("; ".join(f"{p} {why}" for p, why in sorted(runner.bad_reducers.items())))
+        except BaseException:
+            for t, b in zip(tensors, before):
+                t.copy_(b)
+            raise
+        finally:
+            caught = {p: why for p, t in runner.sender_report().items()
+                      if p != str(self.peer_id) and (why := t.why_caught(clipped_above=self._clipped_above))}
+            self._last_report = RoundReport(caught=caught, bad_reducers=dict(runner.bad_reducers))
+
+    def take_report(self, *, timeout: float = 5.0) -> RoundReport:
+        """What the averager saw in its last all-reduce (an empty report if it cannot say)."""
+        try:
+            return hivemind_compat.call_in_averager(self, "_take_report", timeout=timeout)
+        except Exception as e:
+            hivemind_compat.warn_once("reading the round's report", e)
+            return RoundReport()
+
+    async def _take_report(self, future) -> None:  # runs in the averager process
+        report, self._last_report = getattr(self, "_last_report", RoundReport()), RoundReport()
+        future.set_result(report)
 
     # ------------------------------------------------------------------ state sharing (host side)
     def set_shared_state(self, *, round_index: int, tensors: Sequence[torch.Tensor], **meta: Any) -> None:
@@ -187,15 +251,15 @@ class RegionAverager(DecentralizedAverager):
         except Exception as e:  # AllreduceException, TimeoutError, MatchmakingException ...
             msg = " ".join(str(e).split())[:200] or type(e).__name__
             return RoundResult(ok=False, group_size=0, gathered={}, averaged=None, error=msg,
-                               seconds=time.monotonic() - t0)
+                               seconds=time.monotonic() - t0, report=self.take_report())
         if not result:
             return RoundResult(ok=False, group_size=0, gathered={}, averaged=None, error="no group",
-                               seconds=time.monotonic() - t0)
+                               seconds=time.monotonic() - t0, report=self.take_report())
         with self.get_tensors() as buffers:
             averaged = [b.detach().clone() for b in buffers]
         gathered = {str(pid): meta for pid, meta in result.items()}
         return RoundResult(ok=True, group_size=len(gathered), gathered=gathered, averaged=averaged,
-                           seconds=time.monotonic() - t0)
+                           seconds=time.monotonic() - t0, report=self.take_report())
 
     def download_state_from(self, peer_id: str, *, timeout: float) -> tuple[Any, list[torch.Tensor]] | None:
         """Download the state that one chosen peer of this averager's prefix serves (hivemind's

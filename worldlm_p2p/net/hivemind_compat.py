@@ -14,6 +14,11 @@ WorldLM extends hivemind at three seams that its public API does not offer:
 - **admission at the averager's doors** (:class:`worldlm_p2p.net.averaging.RegionAverager`): it
   overrides hivemind's ``rpc_join_group``, ``rpc_aggregate_part`` and ``rpc_download_state`` (public
   RPC handlers) and its private ``_aggregate_with_group`` (where a group's members are first known);
+- **a robust all-reduce** (:mod:`worldlm_p2p.net.robust_allreduce`): the averager's private
+  ``_run_allreduce_inplace_`` builds our runner, handed to hivemind's ``_running_groups``
+  (:func:`register_runner`); the runner replaces its ``TensorPartReducer`` (whose bookkeeping fields
+  it reuses) and watches its ``TensorPartContainer``'s ``register_processed_part`` /
+  ``register_failed_reducer``;
 - **an RSA key from its DER bytes** (:func:`rsa_key_from_der`): hivemind's ``RSAPrivateKey`` has no
   loader from bytes other than its pickle state; and **a public key's DER form**
   (:func:`rsa_public_der`), which a libp2p peer id hashes.
@@ -66,6 +71,20 @@ def set_matchmaking_group_size(averager: Any, size: int) -> None:
     averager._matchmaking.potential_leaders.target_group_size = size
 
 
+def p2p_of(averager: Any) -> Any:
+    """Inside the averager's process: its libp2p handle (what an all-reduce runner talks through)."""
+    return averager._p2p
+
+
+def register_runner(averager: Any, group_id: bytes, runner: Any) -> None:
+    """Inside the averager's process: hand the group's all-reduce runner to hivemind's bookkeeping,
+    where ``rpc_aggregate_part`` finds it (what hivemind's ``_run_allreduce_inplace_`` does)."""
+    running = averager._running_groups
+    if group_id not in running:
+        raise RuntimeError(f"group {group_id!r} was not registered for an all-reduce")
+    running[group_id].set_result(runner)
+
+
 def state_stub(averager: Any, peer_id: str) -> Any:
     """Inside the averager's process: the RPC stub of ``peer_id``'s averager of the same prefix."""
     from hivemind.p2p import PeerID
@@ -106,7 +125,10 @@ def check() -> list[str]:
                          ("async def rpc_download_state(", "rpc_download_state"),
                          ("async def rpc_join_group(", "rpc_join_group"),
                          ("async def rpc_aggregate_part(", "rpc_aggregate_part"),
-                         ("async def _aggregate_with_group(self, group_info: GroupInfo", "_aggregate_with_group")):
+                         ("async def _aggregate_with_group(self, group_info: GroupInfo", "_aggregate_with_group"),
+                         ("self._running_groups[group_id].set_result(runner)", "the running groups' runners"),
+                         ("async def _run_allreduce_inplace_(", "_run_allreduce_inplace_"),
+                         ("tensor.add_(update, alpha=self._averaging_alpha)", "the in-place update of a round")):
         if needle not in averager:
             problems.append(f"DecentralizedAverager: {what} ({needle!r}) is gone")
     mm = inspect.getsource(matchmaking)
@@ -121,6 +143,19 @@ def check() -> list[str]:
 
     if "self._public_key = public_key" not in inspect.getsource(RSAPublicKey.__init__):
         problems.append("RSAPublicKey no longer keeps its key in '_public_key'")
+    from hivemind.averaging import partition
+
+    reducer = inspect.getsource(partition.TensorPartReducer)
+    for needle in ("def reset_accumulators(self)", "def check_current_part_finished(self)",
+                   "self.sender_failed_after = ", "self.num_current_senders = ", "self.current_part_future = ",
+                   "self.current_part_accumulated_from = 0"):
+        if needle not in reducer:
+            problems.append(f"TensorPartReducer: {needle!r} is gone")
+    container = inspect.getsource(partition.TensorPartContainer)
+    for needle in ("def register_processed_part(self, peer_index: int, part_index: int",
+                   "def register_failed_reducer(self, peer_index: int)"):
+        if needle not in container:
+            problems.append(f"TensorPartContainer: {needle!r} is gone")
     if not hasattr(DecentralizedAverager, "get_stub") or not hasattr(DecentralizedAverager, "serializer"):
         problems.append("DecentralizedAverager lost get_stub or serializer")
     return problems

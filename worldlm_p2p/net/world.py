@@ -39,6 +39,7 @@ from worldlm_p2p.config import AveragingConfig
 from worldlm_p2p.net import records
 from worldlm_p2p.net.averaging import RegionAverager
 from worldlm_p2p.net.keys import LEADERS_GROUP
+from worldlm_p2p.net.robust_allreduce import RobustSettings
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,11 @@ class WorldExchange:
         self.dht, self.validators, self.lock = dht, validators, dht_lock
         self.run_id, self.region, self.peer_id, self.fingerprint = run_id, region, peer_id, fingerprint
         self.rule, self.averaging, self.record_ttl = rule, averaging, record_ttl
+        # the leaders' all-reduce applies the run's robust rule too; a leader's weight (its region's
+        # tokens since the last world round) has no cap a leader could check
         self.averager = RegionAverager(tensors=rounds.world_payload(rule, template), dht=dht, run_id=run_id,
-                                       region=LEADERS_GROUP, averaging=averaging, fingerprint=fingerprint)
+                                       region=LEADERS_GROUP, averaging=averaging, fingerprint=fingerprint,
+                                       robust=RobustSettings(rule=rule.config.robust, clip=rule.config.robust_clip))
         self._payload_bytes = sum(t.numel() * 4 for t in template)
 
     def shutdown(self) -> None:
@@ -103,6 +107,8 @@ class WorldExchange:
                 break
             logger.debug("world round %d: no group yet (%s); still waiting for the other leaders", world_round,
                          result.error)
+        for peer, why in sorted({**result.report.caught, **result.report.bad_reducers}.items()):
+            logger.warning("world round %d: the robust rule caught leader %s: %s", world_round, peer, why)
         if not result.ok:
             return WorldOutcome(ok=False, world_round=world_round, error=result.error,
                                 seconds=time.monotonic() - t0)

@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 
+from worldlm_p2p.aggregation import max_round_weight
 from worldlm_p2p.config import PeerConfig, RunManifest
 from worldlm_p2p.net.averaging import RegionAverager
+from worldlm_p2p.net.robust_allreduce import RobustSettings
 from worldlm_p2p.net.keys import ALL_REGIONS
 from worldlm_p2p.rounds import region_payload
 from worldlm_p2p.train import load_texts
@@ -85,7 +87,12 @@ class Peer:
         others = lambda: progress.region_records(everyone=self.rule.world_group)  # noqa: E731
         self._averager = RegionAverager(tensors=template, dht=net.dht, run_id=m.run_id,
                                         region=ALL_REGIONS if self.rule.world_group else cfg.region,
-                                        averaging=m.averaging, fingerprint=m.fingerprint())
+                                        averaging=m.averaging, fingerprint=m.fingerprint(),
+                                        robust=RobustSettings(rule=m.aggregation.robust, clip=m.aggregation.robust_clip,
+                                                              max_weight=max_round_weight(
+                                                                  inner_steps=m.train.inner_steps,
+                                                                  batch_size=m.train.batch_size,
+                                                                  seq_len=m.train.seq_len)))
         self._averager.set_admitted(progress.admitted)  # an admitting region: nobody until their records are read
         self._server = StateServer(averager=self._averager, state=self._state, stats=self.stats, rule=self.rule,
                                    fingerprint=m.fingerprint())
@@ -111,7 +118,7 @@ class Peer:
             on_averaged=(lambda result: world.count(gathered_tokens(result))) if world else lambda result: None,
             on_alone=self._region_of_one,
             on_refresh=lambda missed: joining.refresh_joined_anchor(missed, **parts),
-            admitted=lambda: progress.admitted)
+            admitted=lambda: progress.admitted, banned=progress.banned)
         progress.start()
 
     def _region_of_one(self, no_live_peer: bool) -> None:
@@ -134,6 +141,8 @@ class Peer:
         self._setup()
         cfg, s, m = self.config, self.stats, self.manifest
         H = m.train.inner_steps
+        if cfg.wait_for_peers > 1:
+            self._wait_for_peers(cfg.wait_for_peers)
         self._progress.train_started = time.monotonic()
         logger.info("training %s on %s: %d train tokens, %d valid tokens, device %s", m.model.preset, cfg.data,
                     self.trainer.data.train.numel(), self.trainer.data.valid.numel(), self.trainer.device)
@@ -157,6 +166,21 @@ class Peer:
         self._progress.publish()  # finished=True: barriers stop waiting for us
         self.events.emit("finished", step=s.step, tokens=s.tokens)
         return self.summary(final_eval=True)
+
+    def _wait_for_peers(self, n: int) -> None:
+        """Wait until ``n`` peers of the region (this one included) are live, or the timeout."""
+        deadline = time.monotonic() + self.config.wait_for_peers_timeout
+        live = 1
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            live = 1 + sum(1 for r in self._progress.region_records(everyone=self.rule.world_group) if not r.finished)
+            if live >= n:
+                logger.info("%d peers of region %s are live; training", live, self.config.region)
+                return
+            self._progress.publish()
+            time.sleep(0.5)
+        if not self._stop.is_set():
+            logger.warning("only %d of the %d peers awaited in region %s are live after %.0fs; training anyway",
+                           live, n, self.config.region, self.config.wait_for_peers_timeout)
 
     def _done(self) -> bool:
         cfg, s = self.config, self.stats

@@ -31,6 +31,7 @@ class Progress:
         self.train_started: float | None = None
         self._thread: threading.Thread | None = None
         self._refused: set[str] = set()  # peers whose records were ignored (logged once each)
+        self.banned: set[str] = set()  # members caught repeatedly by the robust rule: never waited for again
         # the peers this one may average with, from the last records read (None: an open group)
         self.admitted: set[str] | None = set() if self._closed_group(everyone=False) else None
 
@@ -68,8 +69,8 @@ class Progress:
         and :attr:`admitted` becomes the peers this one may average with."""
         with self.dht_lock:
             recs = records.fetch_progress(self.dht, self.manifest.run_id)
-        mine = [r for r in recs if (everyone or r.region == self.config.region)
-                and r.peer_id != self.peer_id and r.fingerprint == self.manifest.fingerprint()]
+        mine = [r for r in recs if (everyone or r.region == self.config.region) and r.peer_id != self.peer_id
+                and r.peer_id not in self.banned and r.fingerprint == self.manifest.fingerprint()]
         out = []
         for r in mine:
             why = self.admission.why_not(r)

@@ -9,6 +9,10 @@
    :func:`worldlm_p2p.rounds.region_step` turns the average into the region's agreed model and the
    member's next model. The average is refused when it is not finite or not usable: the outcome is
    then :attr:`Outcome.FAILED` and the member keeps its model;
+   Every reducer of the all-reduce applies the run's robust rule (:mod:`worldlm_p2p.robust`); the
+   senders this peer's reducer caught, and the reducers that failed it, are named in the log and
+   the event log, and a peer caught in ``averaging.ban_after`` rounds is banned (:class:`Strikes`):
+   never averaged with, waited for or served again;
 3. **apply** (:attr:`Outcome.AVERAGED`): evidence mixing on the member's tune slice
    (:func:`worldlm_p2p.rounds.member_mix`), then the region's state takes the agreed model and the
    momentum, and the peer serves it.
@@ -63,6 +67,26 @@ class Averaged:
     momentum: list[torch.Tensor] | None = None
 
 
+class Strikes:
+    """Rounds in which each peer was caught (by this peer's reducer, or as a reducer that failed
+    it), and the peers banned after ``ban_after`` of them."""
+
+    def __init__(self, *, ban_after: int, banned: set[str] | None = None) -> None:
+        self.ban_after = ban_after
+        self.counts: dict[str, int] = {}
+        self.banned: set[str] = banned if banned is not None else set()
+
+    def record(self, offenders: set[str]) -> list[str]:
+        """Count one round against each of ``offenders``; return the ones banned by it."""
+        newly = []
+        for p in sorted(offenders - self.banned):
+            self.counts[p] = self.counts.get(p, 0) + 1
+            if self.counts[p] >= self.ban_after:
+                self.banned.add(p)
+                newly.append(p)
+        return newly
+
+
 class RegionRound:
     def __init__(self, *, rule: rounds.RoundRule, averaging: AveragingConfig, averager: RegionAverager,
                  state: RegionState, stats: PeerStats, member: Member, server: StateServer, region: str, label: str,
@@ -70,11 +94,12 @@ class RegionRound:
                  stopping: Callable[[], bool], trace: Callable[[str, dict], None],
                  before_average: Callable[[], None], on_averaged: Callable[[RoundResult], None],
                  on_alone: Callable[[bool], None], on_refresh: Callable[[int], None], events: EventLog,
-                 admitted: Callable[[], set[str] | None] = lambda: None) -> None:
+                 admitted: Callable[[], set[str] | None] = lambda: None, banned: set[str] | None = None) -> None:
         """``before_average()``: world changes due are adopted there; ``on_averaged(result)``: counts
         the round towards world rounds; ``on_alone(no_live_peer)``: the region of one;
         ``on_refresh(missed)``: a peer that joined from the region's state finds the region ahead;
-        ``admitted()``: the peers this one may average with (None: an open region)."""
+        ``admitted()``: the peers this one may average with (None: an open region); ``banned``: the
+        set of banned peers, which this round adds to (shared with the barrier's record reader)."""
         self.rule, self.averaging, self.averager = rule, averaging, averager
         self.state, self.stats, self.member, self.server = state, stats, member, server
         self.region, self.label, self.started, self.payload_bytes = region, label, started, payload_bytes
@@ -82,6 +107,7 @@ class RegionRound:
         self.before_average, self.on_averaged, self.on_alone, self.on_refresh = (before_average, on_averaged,
                                                                                  on_alone, on_refresh)
         self.events, self.admitted = events, admitted
+        self.strikes = Strikes(ban_after=averaging.ban_after, banned=banned)
         self._was_alone = False
 
     def run(self) -> Outcome:
@@ -112,6 +138,7 @@ class RegionRound:
         self._was_alone = False
         self.before_average()
         averaged = self.average(self.member.params(), waiting=decision.waiting)
+        self.judge(averaged.result)
         outcome = self.apply(averaged)
         r = averaged.result
         self.events.emit("round", round=s.round, outcome=outcome.value, group_size=r.group_size,
@@ -145,6 +172,30 @@ class RegionRound:
             return Averaged(result=result, pre=pre, anchor=anchor, weight=weight)
         return Averaged(result=result, pre=pre, anchor=anchor, weight=weight, new=new, agreed=agreed,
                         momentum=momentum)
+
+    def judge(self, result: RoundResult) -> None:
+        """Name the peers the round's report accuses, and ban the repeat offenders."""
+        report, s = result.report, self.stats
+        for peer, why in sorted(report.caught.items()):
+            label = self._label_of(result, peer)
+            logger.warning("round %d: the robust rule caught %s%s: %s", s.round, peer, label, why)
+            self.events.emit("caught", round=s.round, peer=peer, why=why, role="sender")
+        for peer, why in sorted(report.bad_reducers.items()):
+            logger.warning("round %d: reducer %s%s %s; the round is not used", s.round, peer,
+                           self._label_of(result, peer), why)
+            self.events.emit("caught", round=s.round, peer=peer, why=why, role="reducer")
+        newly = self.strikes.record(set(report.caught) | set(report.bad_reducers))
+        if newly:
+            self.averager.set_banned(self.strikes.banned)
+            for peer in newly:
+                logger.warning("banned %s for the rest of the run: caught in %d rounds", peer, self.strikes.ban_after)
+                self.events.emit("banned", round=s.round, peer=peer)
+
+    @staticmethod
+    def _label_of(result: RoundResult, peer: str) -> str:
+        g = result.gathered.get(peer)
+        label = g.get("label") if isinstance(g, dict) else None
+        return f" ({str(label)[:40]!r})" if label else ""
 
     # ------------------------------------------------------------------ step 3: apply
     def apply(self, a: Averaged) -> Outcome:

@@ -1,0 +1,107 @@
+"""The robust all-reduce on real hivemind averagers (127.0.0.1): the group's result equals the pure
+rule (:func:`worldlm_p2p.robust.robust_mean_of_lists`) on the same inputs, whatever one member
+sends, and the member whose payload is scaled or not finite is named by the reducers."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import ExitStack
+
+import pytest
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarm_utils import LOOPBACK
+from worldlm_p2p import robust
+from worldlm_p2p.config import AveragingConfig, NetConfig
+from worldlm_p2p.net import records
+from worldlm_p2p.net.averaging import RegionAverager
+from worldlm_p2p.net.robust_allreduce import RobustSettings
+
+pytestmark = pytest.mark.network
+
+RUN = "robust-net"
+SETTINGS = RobustSettings(rule="clip", clip=4.0, max_weight=100.0)
+
+
+def _payloads(n: int, seed: int) -> list[list[torch.Tensor]]:
+    """``n`` members' payloads: a common model plus small honest differences, large enough that
+    hivemind cuts every member's span into several pieces."""
+    g = torch.Generator().manual_seed(seed)
+    base = [torch.randn(300, 400, generator=g) * 0.05, torch.randn(70_000, generator=g) * 0.05]
+    return [[b + torch.randn(b.shape, generator=g) * 0.005 for b in base] for _ in range(n)]
+
+
+def _round(averagers, payloads, weights):
+    results = [None] * len(averagers)
+
+    def run(i):
+        results[i] = averagers[i].run_round(payloads[i], weight=weights[i], gather=dict(i=i))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(averagers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    return results
+
+
+@pytest.fixture(scope="module")
+def group():
+    from worldlm_p2p.net.dht import start_dht
+
+    n = 3
+    with ExitStack() as stack:
+        boot = start_dht(NetConfig(host_maddrs=(LOOPBACK,)), record_validators=records.make_validators(RUN, RSAPrivateKey()))
+        stack.callback(boot.shutdown)
+        maddrs = tuple(str(m) for m in boot.get_visible_maddrs())
+        averaging = AveragingConfig(matchmaking_time=3.0, averaging_timeout=40.0, target_group_size=n)
+        template = _payloads(1, 0)[0]
+        averagers = []
+        for _ in range(n):
+            dht = start_dht(NetConfig(initial_peers=maddrs, host_maddrs=(LOOPBACK,)),
+                            record_validators=records.make_validators(RUN, RSAPrivateKey()))
+            stack.callback(dht.shutdown)
+            a = RegionAverager(tensors=template, dht=dht, run_id=RUN, region="eu", averaging=averaging,
+                               fingerprint="fp", robust=SETTINGS)
+            stack.callback(a.shutdown)
+            averagers.append(a)
+        for a in averagers:
+            a.set_target_group_size(n)
+        yield averagers
+
+
+@pytest.mark.parametrize("attack", ["none", "x1000", "nan", "weight"])
+def test_network_result_equals_the_pure_rule_whatever_one_member_sends(group, attack):
+    payloads = _payloads(3, seed=hash(attack) % 1000)
+    weights = [60.0, 80.0, 50.0]
+    if attack == "x1000":
+        payloads[2] = [t * 1000 for t in payloads[2]]
+    elif attack == "nan":
+        payloads[2][0][7, 9], payloads[2][1][123] = float("nan"), float("inf")  # one in each piece
+    elif attack == "weight":
+        payloads[2] = [-t for t in payloads[2]]
+        weights[2] = 1e9
+    results = _round(group, payloads, weights)
+    honest = [r for r in results[:2]]
+    assert all(r is not None and r.ok and r.group_size == 3 for r in honest), [r and r.error for r in honest]
+    expected, agg = robust.robust_mean_of_lists(payloads, weights, rule=SETTINGS.rule, clip=SETTINGS.clip,
+                                                max_weight=SETTINGS.max_weight)
+    for r in honest:
+        for got, want in zip(r.averaged, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # whatever the attacker sent, the honest members' result stays within the rule's bound of their mean
+    honest_mean = [(a * weights[0] + b * weights[1]) / (weights[0] + weights[1]) for a, b in zip(*payloads[:2])]
+    for got, h, a, b in zip(honest[0].averaged, honest_mean, *payloads[:2]):
+        spread = (a - b).abs()
+        assert bool(((got - h).abs() <= (SETTINGS.clip + 1) * spread + 1e-6).all())
+    attacker = str(group[2].peer_id)
+    caught = [r.report.caught for r in honest]
+    if attack == "none":
+        assert caught == [{}, {}]
+    elif attack == "nan":  # only the reducer of the piece that holds the NaN sees it
+        assert any("NaN" in c.get(attacker, "") for c in caught), caught
+        assert agg.nonfinite[2] > 0 and agg.nonfinite[:2] == (0.0, 0.0)
+    else:  # a reducer sees the scaled or flipped payload on its span (hivemind may give a member none)
+        assert any(attacker in c for c in caught), caught
+        assert all(str(group[i].peer_id) not in c for c in caught for i in range(2)), caught
