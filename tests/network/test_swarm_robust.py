@@ -1,5 +1,5 @@
 """One malicious member of three, a genuine worldlm-peer process that lies in its payload
-(tests/network/malicious.py): the honest members' agreed backbone moves from their own mean by no
+(benchmarks/malicious_peer.py): the honest members' agreed backbone moves from their own mean by no
 more than the robust rule's bound, their valid loss stays within 5% of a run without the attacker,
 and the attacker is named and banned."""
 
@@ -14,7 +14,7 @@ from worldlm_p2p.aggregation import weighted_mean
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]  # several peer processes, two runs
 
-MALICIOUS = Path(__file__).resolve().parent / "malicious.py"
+MALICIOUS = Path(__file__).resolve().parents[2] / "benchmarks" / "malicious_peer.py"
 HONEST = (("eu-a", "de_news-reviews-wiki"), ("eu-b", "es_blog-news-reviews-wiki"))
 STEPS = 40
 

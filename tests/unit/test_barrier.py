@@ -46,3 +46,18 @@ def test_wait_stops_on_request():
     d = wait_for_region(my_round=1, fetch_others=lambda: [rec("c")], announce=lambda r: None, timeout=30,
                         poll=0.05, should_stop=lambda: True)
     assert d.action is Action.ALONE
+
+
+def test_the_round_is_the_majoritys_and_an_absurd_claim_moves_nobody():
+    # 3 peers (this one included): a record claiming round 10**12 is a minority of one
+    d = decide(my_round=4, others=[rec("b", waiting=4), rec("mallory", waiting=10 ** 12)])
+    assert d.action is Action.GO and d.round == 4 and d.waiting == 1
+    # two of three at round 6: the majority pulls this peer forward
+    d = decide(my_round=4, others=[rec("b", waiting=6), rec("c", waiting=6)])
+    assert d.action is Action.GO and d.round == 6
+    # one of three ahead: not followed, not waited for; the peer still training is
+    d = decide(my_round=4, others=[rec("b", waiting=9), rec("c")])
+    assert d.action is Action.WAIT and d.round == 4 and d.live == 2
+    # the peer ahead waits for the region to reach its round
+    d = decide(my_round=9, others=[rec("a", waiting=4), rec("c", waiting=4)])
+    assert d.action is Action.WAIT and d.round == 9

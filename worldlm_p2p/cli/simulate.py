@@ -63,6 +63,9 @@ FLAGS = (
     Flag("aggregation", "outer", "outer optimizer"),
     Flag("aggregation", "outer_lr", "outer learning rate"),
     Flag("aggregation", "outer_momentum", "Nesterov momentum"),
+    Flag("aggregation", "robust", "how a group's average combines its members (clip: robust to a malicious "
+                                  "minority; mean: the plain weighted mean)"),
+    Flag("aggregation", "robust_clip", "with --robust clip: clip at this many spreads around the median"),
 )
 SECTIONS = {"train": TrainConfig, "aggregation": AggregationConfig, "privacy": PrivacyConfig}
 

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from worldlm_p2p.config.run import PrivacyPolicy, _finite, _require, check_name
+from worldlm_p2p.config.run import PrivacyPolicy, _finite, _require, _require_finite, check_name
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,6 +140,8 @@ class PeerConfig:
                  f"{self.device!r} is not 'auto', 'cpu' or 'cuda[:N]'")
         _require(self.checkpoint_every > 0, "checkpoint_every", "must be a positive integer")
         _require(self.keep_checkpoints >= 2, "keep_checkpoints", "must be >= 2 so a corrupt latest one has a fallback")
+        _require_finite("peer", self, ("progress_interval", "progress_ttl", "manifest_wait", "join_state_timeout"))
+        _require(self.manifest_wait >= 0, "manifest_wait", "must be >= 0 seconds")
         _require(self.progress_interval > 0, "progress_interval", "must be > 0")
         _require(self.progress_ttl > self.progress_interval, "progress_ttl", "must exceed progress_interval")
         _require(self.torch_threads is None or self.torch_threads > 0, "torch_threads", "must be a positive integer")

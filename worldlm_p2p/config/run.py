@@ -32,6 +32,15 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
+def _require_finite(section: str, obj: Any, names: tuple[str, ...]) -> None:
+    """Every one of these numeric settings must be a finite number (inf and NaN pass ``> 0`` checks
+    or fail them silently, then break a run long after it started)."""
+    for name in names:
+        value = getattr(obj, name)
+        _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                 f"{section}.{name}", f"must be a finite number, got {value!r}")
+
+
 def _require(cond: bool, setting: str, why: str) -> None:
     if not cond:
         raise ConfigError(f"{setting}: {why}")
@@ -63,6 +72,8 @@ class ModelConfig:
             _require(int(getattr(self, name)) > 0, f"model.{name}", "must be a positive integer")
         _require(self.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = take it from the tokenizer)")
         _require(self.hidden_size % self.num_heads == 0, "model.hidden_size", "must be divisible by model.num_heads")
+        _require_finite("model", self, ("rope_theta",))
+        _require(self.rope_theta > 0, "model.rope_theta", "must be > 0")
         _require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", "must divide model.num_heads")
 
 
@@ -124,6 +135,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "inner_steps"):
             _require(int(getattr(self, name)) > 0, f"train.{name}", "must be a positive integer")
+        _require_finite("train", self, ("lr", "weight_decay", "beta1", "beta2", "grad_clip"))
         _require(self.lr > 0, "train.lr", "must be > 0")
         _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2", "must be in [0, 1)")
@@ -208,6 +220,8 @@ class AggregationConfig:
     robust_clip: float = 4.0
 
     def __post_init__(self) -> None:
+        _require_finite("aggregation", self, ("eps", "residual_tau", "residual_beta", "mix_world_max", "tune_fraction",
+                                              "personal_tau", "outer_lr", "outer_momentum"))
         _require(self.strategy in STRATEGY_NAMES, "aggregation.strategy",
                  f"{self.strategy!r} is not one of {', '.join(STRATEGY_NAMES)}")
         _require(bool(self.key_layers.strip()), "aggregation.key_layers", "must name a preset or patterns")
@@ -256,6 +270,8 @@ class AveragingConfig:
     ban_after: int = 2  # a member caught by the robust rule in this many rounds is never averaged with again
 
     def __post_init__(self) -> None:
+        _require_finite("averaging", self, ("matchmaking_time", "averaging_timeout", "barrier_timeout",
+                                            "request_timeout", "leader_ttl"))
         _require(self.matchmaking_time > 0, "averaging.matchmaking_time", "must be > 0")
         _require(self.request_timeout > 0, "averaging.request_timeout", "must be > 0")
         _require(self.request_timeout < self.matchmaking_time, "averaging.request_timeout",

@@ -4,8 +4,11 @@ hivemind forms a group from the peers that call ``step()`` within one matchmakin
 start at different times (a late joiner, a restarted peer) would otherwise stay out of phase and
 never meet. Before each round a peer therefore publishes ``waiting_for_round = r`` in its progress
 record and waits, for a bounded time, until every *live* peer of its region (a progress record that
-has not expired) waits for the same round. A peer that is waiting for a later round pulls the others
-forward to it; a dead peer stops counting once its record expires, so the barrier is bounded by
+has not expired) waits for the same round. Peers waiting for a later round pull the others forward
+to it when they are at least half of the region (this peer included): the round is the region
+majority's, so that a record that claims an absurd round (a malicious or broken member) moves
+nobody, and a peer ahead of the majority is not waited for (it joins the region when the region
+reaches its round); a dead peer stops counting once its record expires, so the barrier is bounded by
 ``min(barrier_timeout, progress_ttl)`` after a death. A region with no other live peer trains alone.
 """
 
@@ -41,9 +44,14 @@ def decide(*, my_round: int, others: Sequence[ProgressRecord]) -> Decision:
     live = [r for r in others if not r.finished]
     if not live:
         return Decision(Action.ALONE, my_round, 0, 0)
-    target = max([my_round] + [r.waiting_for_round for r in live])
-    waiting = sum(1 for r in live if r.waiting_for_round == target)
-    action = Action.GO if waiting == len(live) else Action.WAIT
+    claims = sorted([my_round] + [r.waiting_for_round for r in live], reverse=True)
+    majority = claims[(len(claims) + 1) // 2 - 1]  # the latest round at least half of the region has reached
+    target = max(my_round, majority)
+    awaited = [r for r in live if r.waiting_for_round <= target]  # a peer ahead of the region waits for it
+    waiting = sum(1 for r in awaited if r.waiting_for_round == target)
+    if not awaited:  # every other peer is ahead of this one and of the majority: nobody to average with now
+        return Decision(Action.WAIT, target, 0, len(live))
+    action = Action.GO if waiting == len(awaited) else Action.WAIT
     return Decision(action, target, waiting, len(live))
 
 

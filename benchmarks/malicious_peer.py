@@ -1,7 +1,7 @@
 """A genuine ``worldlm-peer`` process that lies in its region rounds, as a malicious volunteer with
 a modified copy of the program would:
 
-    python malicious.py ATTACK [worldlm-peer flags...]
+    python benchmarks/malicious_peer.py ATTACK [worldlm-peer flags...]
 
 ATTACK: ``scale`` (its payload x1000), ``flip`` (sign-flipped), ``random`` (a random model with a
 claimed weight of 1e9), ``nan`` (NaN in every tensor). Everything else (joining, records, training,
