@@ -7,6 +7,8 @@ expires. It holds no model.
 
 from __future__ import annotations
 
+import math
+
 import logging
 import threading
 from dataclasses import dataclass
@@ -27,8 +29,8 @@ class BootstrapConfig:
     def __post_init__(self) -> None:
         from worldlm_p2p.errors import ConfigError
 
-        if self.manifest_ttl <= 1:
-            raise ConfigError("manifest_ttl: must be > 1 second")
+        if not (math.isfinite(self.manifest_ttl) and 1 < self.manifest_ttl <= 86400):
+            raise ConfigError(f"manifest_ttl: must be a finite number of seconds in (1, 86400], got {self.manifest_ttl}")
 
 
 class BootstrapNode:

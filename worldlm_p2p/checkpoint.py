@@ -21,6 +21,7 @@ import hashlib
 import io
 import logging
 import os
+import shutil
 import re
 import struct
 import tempfile
@@ -30,7 +31,7 @@ from typing import IO, Any, cast
 
 import torch
 
-from worldlm_p2p.errors import CheckpointError
+from worldlm_p2p.errors import CheckpointError, CheckpointWriteError
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,8 @@ def save_checkpoint(directory: str | Path, *, step: int, payload: dict[str, Any]
     try:
         fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=_TMP_PREFIX, suffix=_TMP_SUFFIX)
     except OSError as e:
-        raise CheckpointError(f"cannot write in checkpoint directory {directory}: {e.strerror or e}") from None
+        raise CheckpointWriteError(f"cannot write in checkpoint directory {directory}: {e.strerror or e}"
+                                   f"{_space(directory)}") from None
     tmp = Path(tmp_name)
     writer = None
     try:
@@ -176,12 +178,26 @@ def save_checkpoint(directory: str | Path, *, step: int, payload: dict[str, Any]
         tmp.unlink(missing_ok=True)
         cause = e if isinstance(e, OSError) else writer.error if writer is not None else None
         if cause is not None:  # disk full, quota, I/O error: the OS's reason, not torch's
-            raise CheckpointError(f"cannot write checkpoint {final}: {cause.strerror or cause} (the previous "
-                                  "checkpoints are kept)") from None
+            raise CheckpointWriteError(f"cannot write checkpoint {final}: {cause.strerror or cause}{_space(directory)} "
+                                  "(the previous checkpoints are kept)") from None
         raise
     logger.info("saved checkpoint %s (%d payload bytes)", final, writer.size)
     _prune(directory, keep=keep, protect=final)
     return final
+
+
+def _space(directory: Path) -> str:
+    """``"; needs about N MiB, M MiB free"``: the size of the latest checkpoint there against the
+    free space of its file system (empty when neither can be read)."""
+    try:
+        free = shutil.disk_usage(directory).free
+        existing = list_checkpoints(directory)
+        need = existing[-1][1].stat().st_size if existing else 0
+    except OSError:
+        return ""
+    mib = 1 << 20
+    return (f"; needs about {need / mib:.1f} MiB, {free / mib:.1f} MiB free in {directory}" if need
+            else f"; {free / mib:.1f} MiB free in {directory}")
 
 
 def _prune(directory: Path, *, keep: int, protect: Path) -> None:

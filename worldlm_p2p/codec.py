@@ -17,6 +17,7 @@ one decoder that checks everything (pure: imports torch only).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -172,3 +173,15 @@ class PeerCheckpoint:
                    peer_id=p.get("peer_id"), world_ref=tensors(p.get("world_ref")),
                    border=p.get("border") if isinstance(p.get("border"), dict) else None,
                    has_world_ref="world_ref" in p)
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, inf) replaced by None, recursively, so that
+    ``json.dumps(..., allow_nan=False)`` writes strict JSON (a bare ``NaN`` is not JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value

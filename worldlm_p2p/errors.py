@@ -30,7 +30,12 @@ class AddressError(WorldLMError):
 
 
 class CheckpointError(WorldLMError):
-    """No usable checkpoint could be read."""
+    """No usable checkpoint could be read, or the checkpoint directory cannot be used."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """One checkpoint could not be written (a full disk, a quota, an I/O error); the earlier ones
+    are intact, and a peer goes on training."""
 
 
 class ManifestError(WorldLMError):

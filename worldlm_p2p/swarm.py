@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from worldlm_p2p.codec import json_safe
 from worldlm_p2p.config import RunManifest, check_name
 from worldlm_p2p.errors import ConfigError, DataError
 from worldlm_p2p.train.corpus import list_corpus
@@ -237,7 +238,7 @@ class LocalSwarm:
     def write_summary(self) -> Path:
         path = self.config.out / "summary.json"
         tmp = path.with_name(".summary.json.tmp")
-        tmp.write_text(json.dumps(self.summary(), indent=2))
+        tmp.write_text(json.dumps(json_safe(self.summary()), indent=2, allow_nan=False))
         os.replace(tmp, path)
         return path
 

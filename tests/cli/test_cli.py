@@ -17,6 +17,8 @@ from swarm_utils import DEMO, LOOPBACK, Procs, env, start_bootstrap
 PEER = [sys.executable, "-m", "worldlm_p2p.cli.peer"]
 BOOT = [sys.executable, "-m", "worldlm_p2p.cli.bootstrap"]
 SWARM = [sys.executable, "-m", "worldlm_p2p.cli.swarm"]
+MONITOR = [sys.executable, "-m", "worldlm_p2p.cli.monitor"]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # a well-formed address where nobody listens
 NOBODY = "/ip4/127.0.0.1/tcp/9/p2p/QmaqJesiNcZak8Ns1727tE9RGyDzXE1w7qZxtnr2hcVipv"
 DATA = str(DEMO / "eu" / "nl_news")
@@ -238,3 +240,34 @@ def test_bootstrap_corrupt_identity(tmp_path):
 def test_swarm_bad_input(argv, needles, tmp_path):
     code, _, err = run(SWARM + argv + ["--out", str(tmp_path / "out")])
     assert_one_line_error(code, err, *needles)
+
+
+def test_bad_inputs_found_by_trying_them_get_one_line_before_anything_starts(tmp_path):
+    """Issue 12's list: each of these used to hang, crash after the start, or exit 1 with a traceback."""
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(bytes(range(256)) * 4)
+    fifo = tmp_path / "text.txt"
+    os.mkfifo(fifo)
+    long_pattern = tmp_path / "long.toml"
+    long_pattern.write_text('run_id = "x"\n[aggregation]\nkey_layers = "' + "*k_proj*," * 8000 + '"\n')
+    cases = [
+        (PEER + ["--region", "eu", "--data", DATA, "--initial-peers", NOBODY, "--config", str(binary)],
+         ["not UTF-8"]),
+        (PEER + ["--region", "eu", "--data", str(fifo), "--initial-peers", NOBODY], ["not a regular file"]),
+        (PEER + ["--region", "eu", "--data", DATA, "--initial-peers", NOBODY, "--manifest-wait", "nan"],
+         ["manifest_wait", "finite"]),
+        (PEER + ["--region", "eu", "--data", DATA, "--initial-peers", NOBODY, "--summary",
+                 str(tmp_path / "file.txt" / "s.json")], ["--summary", "cannot write"]),
+        (BOOT + ["--run-config", str(binary), "--host-maddrs", LOOPBACK], ["not UTF-8"]),
+        (BOOT + ["--run-config", str(long_pattern), "--host-maddrs", LOOPBACK], ["aggregation.key_layers", "4096"]),
+        (MONITOR + ["--initial-peers", NOBODY, "--interval", "inf"], ["--interval", "finite"]),
+    ]
+    (tmp_path / "file.txt").write_text("a file where a directory is expected")
+    for ttl in ("nan", "inf"):
+        cases.append((BOOT + ["--run-config", str(REPO_ROOT / "bootstrap" / "run.example.toml"), "--manifest-ttl", ttl,
+                              "--host-maddrs", LOOPBACK], ["manifest_ttl", "finite"]))
+    for argv, needles in cases:
+        code, _, err = run(argv, timeout=60)
+        assert_one_line_error(code, err, *needles)
+    code, _, err = run(SWARM + ["--out", str(tmp_path / "file.txt" / "out")])
+    assert_one_line_error(code, err, "--out", "cannot write")

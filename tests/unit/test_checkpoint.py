@@ -138,9 +138,13 @@ def test_failure_during_save_keeps_previous(tmp_path: Path, monkeypatch: pytest.
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ckpt.os, "replace", crash)
-    with pytest.raises(CheckpointError, match="No space left on device"):
+    from worldlm_p2p.errors import CheckpointWriteError
+
+    with pytest.raises(CheckpointWriteError, match="No space left on device") as err:
         save_checkpoint(tmp_path, step=2, payload={"v": 2}, keep=3)
     monkeypatch.undo()
+    # one line naming the directory, the space the last checkpoint took and the space free
+    assert f"MiB free in {tmp_path}" in str(err.value) and "needs about" in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000001.pt"]  # temp file removed too
     loaded = load_latest_checkpoint(tmp_path)
     assert loaded is not None and loaded.step == 1

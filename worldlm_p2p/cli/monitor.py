@@ -8,6 +8,8 @@ stores a record and never joins an averaging group. ``--once --json`` prints one
 
 from __future__ import annotations
 
+import math
+
 import json
 import logging
 import os
@@ -58,10 +60,10 @@ def main(argv: list[str] | None = None) -> None:
         from worldlm_p2p.errors import ConfigError
         from worldlm_p2p.logs import setup_logging
 
-        if not args.interval > 0:
-            raise ConfigError(f"--interval must be > 0 seconds, got {args.interval}")
-        if not args.wait >= 0:
-            raise ConfigError(f"--wait must be >= 0 seconds, got {args.wait}")
+        if not (math.isfinite(args.interval) and args.interval > 0):
+            raise ConfigError(f"--interval must be a finite number of seconds > 0, got {args.interval}")
+        if not (math.isfinite(args.wait) and args.wait >= 0):
+            raise ConfigError(f"--wait must be a finite number of seconds >= 0, got {args.wait}")
         if args.run_id is not None:
             check_name("run id", args.run_id)
         # stdout carries the view (or the JSON); logs go to stderr, warnings only unless asked for

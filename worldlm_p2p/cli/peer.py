@@ -101,6 +101,21 @@ def is_loopback(maddr: str) -> bool:
     return len(parts) > 2 and (parts[2].startswith("127.") or parts[2] in ("localhost", "::1"))
 
 
+def check_summary_path(path: str | None) -> None:
+    """Before any training: the summary's directory can be made and written (else one line, exit 2,
+    instead of an error after the whole run)."""
+    if not path:
+        return
+    where = Path(path).parent
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        probe = where / f".{Path(path).name}.probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--summary {path}: cannot write in {where} ({e.strerror or e})") from None
+
+
 def make_config(args) -> PeerConfig:
     file_cfg = load_toml(args.config) if args.config else {}
     peer, overrides = _merge(args, file_cfg)
@@ -139,8 +154,13 @@ def make_config(args) -> PeerConfig:
     parse_maddrs(config.net.initial_peers, what="--initial-peers", require_peer_id=True)
     parse_maddrs(config.net.host_maddrs, what="--host-maddrs", require_peer_id=False)
     parse_maddrs(config.net.announce_maddrs, what="--announce-maddrs", require_peer_id=False)
-    if not Path(config.data).exists():
+    data = Path(config.data)
+    if not data.exists():
         raise DataError(f"data path {config.data} does not exist")
+    files = [data] if not data.is_dir() else [data / "train.txt", data / "valid.txt"]
+    for f in files:
+        if f.exists() and not f.is_file() and not f.is_dir():
+            raise DataError(f"data path {f} is not a regular file (a FIFO or a device?)")
     return config
 
 
@@ -149,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def body() -> int:
         config = make_config(args)
+        check_summary_path(config.summary_path)
         from worldlm_p2p.logs import setup_logging
 
         setup_logging()

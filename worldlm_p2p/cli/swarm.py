@@ -67,6 +67,13 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"--out {out} exists and is not a directory")
+        try:  # before anything starts: an --out that cannot be made fails now, in one line
+            out.mkdir(parents=True, exist_ok=True)
+            probe = out / ".write-probe"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e})") from None
         config = SwarmConfig(regions=parse_regions(args.regions), data=data, out=out, manifest=manifest,
                              max_steps=args.max_steps, threads_per_peer=args.threads_per_peer)
         swarm = LocalSwarm(config=config)

@@ -225,6 +225,8 @@ class AggregationConfig:
         _require(self.strategy in STRATEGY_NAMES, "aggregation.strategy",
                  f"{self.strategy!r} is not one of {', '.join(STRATEGY_NAMES)}")
         _require(bool(self.key_layers.strip()), "aggregation.key_layers", "must name a preset or patterns")
+        _require(len(self.key_layers) <= 4096, "aggregation.key_layers",
+                 f"is {len(self.key_layers)} characters long: at most 4096 (a preset or a few name patterns)")
         _require(self.attention in ATTENTION_FORMS, "aggregation.attention",
                  f"{self.attention!r} is not one of {', '.join(ATTENTION_FORMS)}")
         _require(self.tau > 0, "aggregation.tau", "must be > 0")
@@ -454,11 +456,22 @@ class RunManifest:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+#: a settings file larger than this is not a settings file (a manifest is a few hundred bytes)
+MAX_TOML_BYTES = 1 << 20
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
+        if path.exists() and not path.is_file() and not path.is_dir():
+            raise ConfigError(f"config file {path} is not a regular file (a FIFO or a device?)")
         with path.open("rb") as f:
-            return tomllib.load(f)
+            blob = f.read(MAX_TOML_BYTES + 1)
+        if len(blob) > MAX_TOML_BYTES:
+            raise ConfigError(f"config file {path} is larger than {MAX_TOML_BYTES >> 20} MiB: not a settings file")
+        return tomllib.loads(blob.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text (a binary file?)") from None
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except IsADirectoryError:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
+
 from worldlm_p2p.checkpoint import load_latest_checkpoint, save_checkpoint
 from worldlm_p2p.codec import PeerCheckpoint, StateError
 from worldlm_p2p.config import PeerConfig, RunManifest
@@ -52,6 +54,18 @@ def resume(config: PeerConfig, manifest: RunManifest, *, member: Member, state: 
     if ckpt.fingerprint != manifest.fingerprint():
         raise CheckpointError(f"checkpoint {loaded.path} belongs to another run manifest "
                               f"({ckpt.run_id}, {ckpt.fingerprint}); use another --checkpoint-dir")
+    params = member.params()
+    anchor = ckpt.anchor
+    if len(anchor) != len(params) or any(not isinstance(a, torch.Tensor) or a.shape != p.shape
+                                         for a, p in zip(anchor, params)):
+        raise CheckpointError(f"checkpoint {loaded.path} does not fit this model: its region reference has other "
+                              f"tensors or shapes")
+    for what, tensors in (("region reference", anchor), ("outer momentum", ckpt.momentum or [])):
+        if not all(isinstance(t, torch.Tensor) and bool(torch.isfinite(t).all()) for t in tensors):
+            raise CheckpointError(f"checkpoint {loaded.path}: its {what} holds NaN/Inf or non-tensors")
+    if ckpt.momentum is not None and len(ckpt.momentum) > len(params):
+        raise CheckpointError(f"checkpoint {loaded.path} does not fit this model: its outer momentum has "
+                              f"{len(ckpt.momentum)} tensors")
     try:
         member.model.load_state_dict(ckpt.model)
         member.trainer.load_state_dict(ckpt.optimizer)

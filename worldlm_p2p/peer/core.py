@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from worldlm_p2p.aggregation import max_round_weight
+from worldlm_p2p.codec import json_safe
 from worldlm_p2p.config import PeerConfig, RunManifest
+from worldlm_p2p.errors import CheckpointWriteError
 from worldlm_p2p.net.averaging import RegionAverager
 from worldlm_p2p.net.robust_allreduce import RobustSettings
 from worldlm_p2p.net.keys import ALL_REGIONS
@@ -45,6 +47,7 @@ class Peer:
 
     def __init__(self, *, config: PeerConfig) -> None:
         self.config, self.stats = config, PeerStats()
+        self._checkpoint_failures: set[str] = set()
         self.label = config.label or Path(config.data).name or config.region
         self.manifest: RunManifest | None = None
         self.peer_id = ""
@@ -203,8 +206,19 @@ class Peer:
         return -1.0 if eps is None else float(eps)
 
     def _checkpoint(self) -> None:
-        path = checkpoints.write(self.config, self.manifest, member=self._member, state=self._state,
-                                 stats=self.stats, label=self.label, peer_id=self.peer_id)
+        """Write a checkpoint. One that cannot be written (a full disk, a quota) is logged, once per
+        reason, and training goes on: the checkpoints already written stay, and the next one is tried
+        at its time."""
+        try:
+            path = checkpoints.write(self.config, self.manifest, member=self._member, state=self._state,
+                                     stats=self.stats, label=self.label, peer_id=self.peer_id)
+        except CheckpointWriteError as e:
+            reason = str(e).split(":", 1)[-1].split(";")[0].strip()
+            level = logging.DEBUG if reason in self._checkpoint_failures else logging.WARNING
+            self._checkpoint_failures.add(reason)
+            logger.log(level, "%s; training goes on", e)
+            self.events.emit("checkpoint_failed", step=self.stats.step, error=str(e))
+            return
         if path is not None:
             self.events.emit("checkpoint", step=self.stats.step, path=str(path))
 
@@ -223,7 +237,7 @@ class Peer:
         if self.config.summary_path:
             path = Path(self.config.summary_path)
             tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(json.dumps(out, indent=2))
+            tmp.write_text(json.dumps(json_safe(out), indent=2, allow_nan=False))  # strict JSON: NaN -> null
             os.replace(tmp, path)
         return out
 
