@@ -7,11 +7,13 @@ expires. It holds no model.
 
 from __future__ import annotations
 
-import math
-
+import dataclasses
 import logging
+import math
+import tempfile
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from worldlm_p2p.config import NetConfig, RunManifest
 from worldlm_p2p.net import records
@@ -25,6 +27,7 @@ class BootstrapConfig:
     net: NetConfig
     manifest: RunManifest | None = None
     manifest_ttl: float = 120.0  # seconds a published manifest lives without renewal
+    run_key_path: str | None = None  # the run key that signs the manifest (default: the node's identity)
 
     def __post_init__(self) -> None:
         from worldlm_p2p.errors import ConfigError
@@ -43,25 +46,40 @@ class BootstrapNode:
     def start(self) -> list[str]:
         """Start the DHT, publish the manifest; return the multiaddrs peers should use."""
         cfg = self.config
-        if cfg.net.identity_path:
-            key = ensure_identity(cfg.net.identity_path)
-        else:
-            from hivemind.utils.crypto import RSAPrivateKey
-
-            key = RSAPrivateKey()
-        run_id = cfg.manifest.run_id if cfg.manifest else None
-        self._validators = records.make_validators(run_id, key)
-        self._dht = start_dht(cfg.net, record_validators=self._validators, require_initial_peers=False)
+        # one key for the libp2p identity and for the signatures of this node's records (as peers
+        # do), so that its manifest record's signer is the peer id in its multiaddrs: the anchor
+        # of trust of the peers that join through it. Without --identity: a key made for the process
+        # (its file lives only until the p2p daemon has read it)
+        net = cfg.net
+        with tempfile.TemporaryDirectory(prefix="worldlm-identity-") as tmp:
+            if not net.identity_path:
+                net = dataclasses.replace(net, identity_path=str(Path(tmp) / "identity.key"))
+            key = ensure_identity(net.identity_path, announce=bool(cfg.net.identity_path))
+            run_id = cfg.manifest.run_id if cfg.manifest else None
+            self._validators = records.make_validators(run_id, key)
+            self._dht = start_dht(net, record_validators=self._validators, require_initial_peers=False)
+        self.run_key = ensure_identity(cfg.run_key_path) if cfg.run_key_path else key
         if cfg.manifest is not None:
+            from hivemind.utils.timed_storage import get_dht_time
+
+            # signed once: the record any peer re-publishes is this one, verbatim
+            self._record = records.ManifestRecord.sign(self.run_key, cfg.manifest, time=get_dht_time())
             self._publish()
         return visible_maddrs(self._dht)
+
+    @property
+    def run_key_text(self) -> str:
+        """The run key's public half (OpenSSH line): what peers give as ``--run-key``."""
+        from worldlm_p2p.net.admission import public_key_text
+
+        return public_key_text(self.run_key)
 
     @property
     def peer_id(self) -> str:
         return str(self._dht.peer_id)
 
     def _publish(self) -> None:
-        ok = records.publish_manifest(self._dht, self._validators, self.config.manifest, ttl=self.config.manifest_ttl)
+        ok = records.publish_manifest(self._dht, self._validators, self._record, ttl=self.config.manifest_ttl)
         if ok:
             logger.debug("published run manifest %s", self.config.manifest.fingerprint())
         else:

@@ -34,14 +34,51 @@ def test_progress_wire_round_trip_and_rejections():
 
 
 def test_manifest_record_detects_tampering():
+    key = RSAPrivateKey()
     m = RunManifest.from_dict({"run_id": "r1"})
-    rec = records.ManifestRecord(run_id="r1", fingerprint=m.fingerprint(), manifest=m, time=1.0)
+    rec = records.ManifestRecord.sign(key, m, time=1.0)
     assert records.ManifestRecord.from_wire(rec.to_wire()).manifest == m
     other = RunManifest.from_dict({"run_id": "r1", "train": {"lr": 0.5}})
-    wire = dict(rec.to_wire(), manifest=records.ManifestRecord(run_id="r1", fingerprint="x", manifest=other,
-                                                                time=1.0).to_wire()["manifest"])
+    forged = records.ManifestRecord.sign(RSAPrivateKey(), other, time=2.0)
+    # another manifest under the signature of the run key: the fingerprint no longer matches
     with pytest.raises(ValueError, match="fingerprint"):
-        records.ManifestRecord.from_wire(wire)
+        records.ManifestRecord.from_wire(dict(rec.to_wire(), manifest=forged.to_wire()["manifest"]))
+    # ... and with a matching fingerprint, the signature does not
+    with pytest.raises(ValueError, match="signature"):
+        records.ManifestRecord.from_wire(dict(forged.to_wire(), run_key=rec.run_key))
+    # a later time than the run key signed (to win as the newest)
+    with pytest.raises(ValueError, match="signature"):
+        records.ManifestRecord.from_wire(dict(rec.to_wire(), time=99.0))
+    with pytest.raises(ValueError):
+        records.ManifestRecord.from_wire(dict(rec.to_wire(), signature="not base64!"))
+
+
+def test_choose_manifest_trusts_the_given_key_then_the_bootstrap_nodes_keys():
+    from worldlm_p2p.errors import ManifestError
+
+    run_key, forger = RSAPrivateKey(), RSAPrivateKey()
+    m = RunManifest.from_dict({"run_id": "r1"})
+    honest = records.ManifestRecord.sign(run_key, m, time=10.0).signed_by("boot")
+    newer = records.ManifestRecord.sign(run_key, RunManifest.from_dict({"run_id": "r1", "train": {"lr": 0.01}}),
+                                        time=20.0).signed_by("peer-b")
+    copy = dataclasses.replace(honest, signer="peer-a")  # a peer keeping the run's manifest alive
+    fake = records.ManifestRecord.sign(forger, RunManifest.from_dict({"run_id": "r1", "train": {"lr": 9.0}}),
+                                       time=99.0).signed_by("mallory")
+    other_run = records.ManifestRecord.sign(forger, RunManifest.from_dict({"run_id": "r2"}), time=5.0).signed_by("mallory")
+    found = [honest, copy, fake, other_run]
+    # through the bootstrap node: its run key wins over the forger's, whatever the forger claims
+    assert records.choose_manifest(found, run_id=None, trusted_key=None, anchors=["boot"]).manifest == m
+    # a pinned run key: only its manifests, from whoever stored them (the bootstrap node is gone)
+    pinned = records.choose_manifest([copy, fake, other_run], run_id="r1", trusted_key=honest.run_key)
+    assert pinned.manifest == m and pinned.signer == "peer-a"
+    # of one run key's manifests, the latest signed
+    assert records.choose_manifest([honest, newer, fake], run_id="r1", trusted_key=None, anchors=["boot"]) == newer
+    # neither a pinned key nor a bootstrap record: two keys compete, and the error says what to give
+    with pytest.raises(ManifestError, match="--run-key"):
+        records.choose_manifest([copy, fake], run_id="r1", trusted_key=None, anchors=["boot"])
+    with pytest.raises(ManifestError, match="--run-id"):
+        records.choose_manifest([copy, other_run], run_id=None, trusted_key=None)
+    assert records.choose_manifest([fake], run_id="r1", trusted_key=honest.run_key) is None
 
 
 @pytest.mark.network
@@ -80,10 +117,18 @@ def test_records_are_signed_and_validated_in_the_dht():
 
             # manifests: published by the bootstrap, fetched and verified by peers
             m = RunManifest.from_dict({"run_id": run})
-            assert records.publish_manifest(boot, vals[0], m, ttl=30)
+            assert records.publish_manifest(boot, vals[0], records.ManifestRecord.sign(rsa[0], m, time=1.0), ttl=30)
             fetched = records.fetch_manifests(alice)
             assert [f.manifest for f in fetched] == [m]
-            assert dataclasses.replace(fetched[0].manifest) == m
+            assert fetched[0].signer == peer_id_of(rsa[0].get_public_key())
+            # any peer may keep the signed record alive under its own subkey, verbatim; an altered one
+            # is refused by the readers
+            assert records.publish_manifest(alice, vals[1], fetched[0], ttl=30)
+            altered = dict(fetched[0].to_wire(), time=2.0)
+            assert not mallory.store(keys.RUNS_KEY, altered, expiration_time=get_dht_time() + 30,
+                                     subkey=records.owner_subkey(vals[2])) or len(records.fetch_manifests(boot)) == 2
+            assert sorted(f.signer for f in records.fetch_manifests(boot)) == sorted(
+                peer_id_of(k.get_public_key()) for k in rsa[:2])
         finally:
             alice.shutdown()
             mallory.shutdown()

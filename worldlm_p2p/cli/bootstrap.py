@@ -8,6 +8,7 @@ from pathlib import Path
 
 from worldlm_p2p.cli.common import ArgumentParser, install_stop_handlers, run_main
 from worldlm_p2p.config import NetConfig, RunManifest
+from worldlm_p2p.errors import ConfigError
 
 PROG = "worldlm-bootstrap"
 logger = logging.getLogger(PROG)
@@ -25,6 +26,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
                    help="other bootstrap nodes of the swarm, for redundancy")
     p.add_argument("--manifest-ttl", type=float, default=120.0, help="seconds a published manifest lives")
+    p.add_argument("--run-key", metavar="FILE",
+                   help="the run key that signs the manifest (created with mode 0600 if missing; every bootstrap "
+                        "node of a run uses the same one); default: the --identity, or a key made for this process")
     return p
 
 
@@ -48,9 +52,13 @@ def main(argv: list[str] | None = None) -> None:
 
         from worldlm_p2p.bootstrap import BootstrapConfig, BootstrapNode
         from worldlm_p2p.logs import setup_logging
+        from worldlm_p2p.net import records
 
         setup_logging("ERROR")  # the multiaddrs must be the first output
-        node = BootstrapNode(config=BootstrapConfig(net=net, manifest=manifest, manifest_ttl=args.manifest_ttl))
+        if args.run_key and Path(args.run_key).is_dir():
+            raise ConfigError(f"--run-key {args.run_key} is a directory, expected a key file")
+        node = BootstrapNode(config=BootstrapConfig(net=net, manifest=manifest, manifest_ttl=args.manifest_ttl,
+                                                    run_key_path=args.run_key))
         install_stop_handlers(node.stop)
         try:
             maddrs = node.start()
@@ -61,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
             if manifest is not None:
                 logger.info("publishing run %s (manifest %s, model %s, strategy %s)", manifest.run_id,
                             manifest.fingerprint(), manifest.model.preset, manifest.aggregation.strategy)
+                logger.info("the manifest is signed by run key %s; peers may pin it with --run-key '%s'",
+                            records.run_key_id(node.run_key_text), node.run_key_text)
             else:
                 logger.info("no --run-config: serving the DHT only")
             logger.info("bootstrap node %s is serving; Ctrl-C to stop", node.peer_id)

@@ -26,7 +26,7 @@ _PEER_KEYS = {
     "region": str, "data": str, "run_id": str, "label": str, "max_steps": int, "max_tokens": int, "device": str,
     "checkpoint_dir": str, "checkpoint_every": int, "threads": int, "initial_peers": list, "host_maddrs": list,
     "announce_maddrs": list, "identity": str, "summary": str, "manifest_wait": float, "trace_dir": str, "events": str, "certificate": str,
-    "wait_for_peers": int, "privacy": dict,
+    "wait_for_peers": int, "run_key": str, "privacy": dict,
 }
 
 
@@ -58,6 +58,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--events", metavar="JSONL", help="append a structured event log here: one JSON object per "
                                                      "line (joined, training, every round's outcome and time, "
                                                      "world rounds, checkpoints)")
+    p.add_argument("--run-key", metavar="KEY", help="accept only a run manifest signed by this run key: its OpenSSH "
+                                                   "line (ssh-rsa AAAA..., worldlm-bootstrap logs it) or a file "
+                                                   "holding it (default: the run key of the bootstrap nodes joined "
+                                                   "through)")
     p.add_argument("--wait-for-peers", type=int, metavar="N",
                    help="before training, wait until N peers of the region (this one included) are live, for at "
                         "most 5 minutes (default 0: start at once)")
@@ -143,7 +147,8 @@ def make_config(args) -> PeerConfig:
         privacy=_build_section(PrivacyConfig, "peer.privacy", peer["privacy"]),
     )
     for key, name in (("device", "device"), ("checkpoint_every", "checkpoint_every"),
-                      ("manifest_wait", "manifest_wait"), ("wait_for_peers", "wait_for_peers")):
+                      ("manifest_wait", "manifest_wait"), ("wait_for_peers", "wait_for_peers"),
+                      ("run_key", "run_key")):
         if peer.get(key) is not None:
             kwargs[name] = peer[key]
     config = PeerConfig(**kwargs)

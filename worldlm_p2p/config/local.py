@@ -122,6 +122,9 @@ class PeerConfig:
     # before training, wait until this many peers of the region (this one included) are live, for at
     # most wait_for_peers_timeout seconds (0: start at once; experiments that compare runs use it)
     wait_for_peers: int = 0
+    # the run key the manifest must be signed by (OpenSSH public line, or a file holding it); None: the
+    # run key of the bootstrap nodes joined through (see worldlm_p2p.net.records.choose_manifest)
+    run_key: str | None = None
     wait_for_peers_timeout: float = 300.0
     local_overrides: Mapping[str, Any] = field(default_factory=dict)  # manifest-shaped, must agree
     summary_path: str | None = None  # JSON written at exit (used by worldlm-swarm)

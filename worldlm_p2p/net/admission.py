@@ -44,6 +44,19 @@ def load_public_key(text: str, *, what: str):
         raise ConfigError(f"{what}: not an RSA public key in OpenSSH form (ssh-rsa AAAA...)") from None
 
 
+def run_key_text(value: str, *, what: str = "--run-key") -> str:
+    """The OpenSSH line of a run key given as the line itself or as a file holding it, checked."""
+    text = value.strip()
+    if not text.startswith("ssh-"):
+        try:
+            text = Path(value).expanduser().read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{what} {value!r} is neither an OpenSSH public key line nor a readable file "
+                              f"({getattr(e, 'strerror', None) or type(e).__name__})") from None
+    load_public_key(text, what=what)
+    return text
+
+
 def peer_id_of(public_key) -> str:
     """The libp2p peer id (base58) of a hivemind ``RSAPublicKey``: the sha2-256 multihash of the
     protobuf ``PublicKey{RSA, DER SubjectPublicKeyInfo}``."""

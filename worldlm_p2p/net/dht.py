@@ -47,6 +47,18 @@ def parse_maddrs(values: Iterable[str], *, what: str, require_peer_id: bool) -> 
     return tuple(out)
 
 
+def initial_peer_ids(maddrs: Iterable[str]) -> tuple[str, ...]:
+    """The peer ids named by ``/p2p/<id>`` in these multiaddrs (the bootstrap nodes a process joins
+    through: the run keys of the manifests they stored are the ones it trusts by default)."""
+    out = []
+    for m in maddrs:
+        parts = str(m).split("/")
+        for i, part in enumerate(parts[:-1]):
+            if part == "p2p":
+                out.append(parts[i + 1])
+    return tuple(out)
+
+
 def ensure_identity(path: str | Path, *, announce: bool = True):
     """Load the libp2p identity at ``path`` or create it (mode 0600) if missing.
 

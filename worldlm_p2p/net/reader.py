@@ -23,7 +23,7 @@ class RunReader:
     one-line messages."""
 
     def __init__(self, *, initial_peers: Sequence[str], run_id: str | None = None, manifest: bool = True,
-                 manifest_wait: float = 10.0) -> None:
+                 manifest_wait: float = 10.0, run_key: str | None = None) -> None:
         from hivemind.utils.crypto import RSAPrivateKey
 
         from worldlm_p2p.net.dht import start_dht
@@ -37,8 +37,11 @@ class RunReader:
         self.manifest: RunManifest | None = None
         if manifest:
             try:
-                self.manifest = records.fetch_run_manifest(self.dht, run_id=run_id, wait=manifest_wait
-                                                           if run_id is None else min(manifest_wait, 2.0))
+                from worldlm_p2p.net.dht import initial_peer_ids
+
+                self.manifest = records.fetch_run_manifest(
+                    self.dht, run_id=run_id, wait=manifest_wait if run_id is None else min(manifest_wait, 2.0),
+                    trusted_key=run_key, anchors=initial_peer_ids(initial_peers)).manifest
             except ManifestError:
                 if run_id is None:
                     self.close()

@@ -19,11 +19,12 @@ logged and skipped, never trusted.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import pydantic.v1 as pydantic
 from hivemind.utils.timed_storage import get_dht_time
@@ -217,20 +218,53 @@ class ResidualRecord:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ManifestRecord:
+    """A run manifest signed by the run's key. The signature covers the run id, the fingerprint,
+    the manifest's bytes and the time it was signed, so that any peer can keep the record alive in
+    the DHT (:func:`publish_manifest`, under its own subkey) and nobody can alter it; which run
+    keys a peer trusts is :func:`choose_manifest`'s business."""
+
     run_id: str
     fingerprint: str
     manifest: RunManifest
-    time: float
+    time: float  # when the run key signed it
+    run_key: str  # OpenSSH public key of the run key
+    signature: str
+    wire: dict = field(default_factory=dict, compare=False, repr=False)  # the signed value, verbatim
+    signer: str = field(default="", compare=False)  # peer id of the DHT subkey that stored it
 
-    def to_wire(self) -> dict[str, Any]:
+    @staticmethod
+    def body(*, run_id: str, fingerprint: str, manifest_bytes: bytes, time: float) -> bytes:
+        return b"worldlm-manifest/1\0" + json.dumps([run_id, fingerprint, float(time)]).encode() + b"\0" + manifest_bytes
+
+    @classmethod
+    def sign(cls, run_key, manifest: RunManifest, *, time: float) -> "ManifestRecord":
+        """The manifest signed with ``run_key`` (a hivemind ``RSAPrivateKey``) at ``time``."""
         from hivemind.utils.serializer import MSGPackSerializer
 
-        return dict(run_id=self.run_id, fingerprint=self.fingerprint,
-                    manifest=MSGPackSerializer.dumps(self.manifest.to_dict()), time=float(self.time))
+        from worldlm_p2p.net.admission import public_key_text
+
+        blob = MSGPackSerializer.dumps(manifest.to_dict())
+        fp = manifest.fingerprint()
+        signature = run_key.sign(cls.body(run_id=manifest.run_id, fingerprint=fp, manifest_bytes=blob,
+                                          time=time)).decode()
+        wire = dict(run_id=manifest.run_id, fingerprint=fp, manifest=blob, time=float(time),
+                    run_key=public_key_text(run_key), signature=signature)
+        return cls.from_wire(wire)
+
+    def to_wire(self) -> dict[str, Any]:
+        return dict(self.wire)
+
+    def signed_by(self, peer_id: str) -> "ManifestRecord":
+        return dataclasses.replace(self, signer=peer_id)
 
     @classmethod
     def from_wire(cls, value: Any) -> "ManifestRecord":
+        """Parse and check the run key's signature; ``ValueError`` for anything else."""
+        import base64
+
         from hivemind.utils.serializer import MSGPackSerializer
+
+        from worldlm_p2p.net.admission import load_public_key
 
         if not isinstance(value, Mapping):
             raise ValueError("manifest record must be a map")
@@ -245,7 +279,50 @@ class ManifestRecord:
             raise ValueError(f"undecodable manifest: {type(e).__name__}") from None
         if manifest.fingerprint() != parsed.fingerprint or manifest.run_id != parsed.run_id:
             raise ValueError("manifest fingerprint or run id does not match its content")
-        return cls(run_id=parsed.run_id, fingerprint=parsed.fingerprint, manifest=manifest, time=parsed.time)
+        try:
+            key = load_public_key(parsed.run_key, what="run key")
+            base64.b64decode(parsed.signature, validate=True)
+        except (ConfigError, ValueError):
+            raise ValueError("the run key or the signature is malformed") from None
+        body = cls.body(run_id=parsed.run_id, fingerprint=parsed.fingerprint, manifest_bytes=parsed.manifest,
+                        time=parsed.time)
+        if not key.verify(body, parsed.signature.encode()):
+            raise ValueError("the run key's signature does not match the manifest")
+        return cls(run_id=parsed.run_id, fingerprint=parsed.fingerprint, manifest=manifest, time=parsed.time,
+                   run_key=parsed.run_key.strip(), signature=parsed.signature, wire=dict(parsed.dict()))
+
+
+def run_key_id(run_key: str) -> str:
+    """A short printable id of a run key (the last characters of its OpenSSH body)."""
+    return run_key.split()[1][-12:] if len(run_key.split()) > 1 else run_key[-12:]
+
+
+def choose_manifest(found: Sequence[ManifestRecord], *, run_id: str | None, trusted_key: str | None,
+                    anchors: Sequence[str] = ()) -> ManifestRecord | None:
+    """The run manifest a peer takes from the signed records ``found`` (None: none of them is for
+    it). Trust, in order: the run key the peer was given (``trusted_key``: only manifests it signed
+    count); else the run keys of the records stored by the peers it joined through (``anchors``,
+    the peer ids of its ``--initial-peers``: its bootstrap nodes); else, when neither says, the
+    records' only run key. Of the trusted manifests of the run, the latest signed wins (a run key
+    holder that changed its manifest). Raises :class:`ManifestError` when several runs or several
+    untrusted run keys compete, saying what to give."""
+    if trusted_key is not None:
+        found = [r for r in found if r.run_key == trusted_key.strip()]
+    else:
+        anchored = {r.run_key for r in found if r.signer and r.signer in set(anchors)}
+        if anchored:
+            found = [r for r in found if r.run_key in anchored]
+    matching = [r for r in found if run_id is None or r.run_id == run_id]
+    if not matching:
+        return None
+    runs = sorted({r.run_id for r in matching})
+    if len(runs) > 1:
+        raise ManifestError(f"several runs are published ({', '.join(runs)}); choose one with --run-id")
+    keys = sorted({r.run_key for r in matching})
+    if len(keys) > 1:
+        raise ManifestError(f"run {runs[0]!r} is published under {len(keys)} different run keys "
+                            f"({', '.join(run_key_id(k) for k in keys)}): give the run's key with --run-key")
+    return max(matching, key=lambda r: r.time)
 
 
 # ----------------------------------------------------------------------------------- DHT I/O
@@ -257,42 +334,45 @@ def _entries(result) -> dict:
     return result.value
 
 
-def publish_manifest(dht, validators, manifest: RunManifest, *, ttl: float) -> bool:
-    record = ManifestRecord(run_id=manifest.run_id, fingerprint=manifest.fingerprint(), manifest=manifest,
-                            time=get_dht_time())
+#: seconds a peer's own copy of the run manifest lives in the DHT without renewal
+PEER_MANIFEST_TTL = 120.0
+
+
+def publish_manifest(dht, validators, record: ManifestRecord, *, ttl: float) -> bool:
+    """Store a signed manifest record under this process's own subkey (a bootstrap node, or any
+    peer that keeps the run's manifest alive), expiring ``ttl`` seconds from now."""
     return bool(dht.store(RUNS_KEY, record.to_wire(), expiration_time=get_dht_time() + ttl,
                           subkey=owner_subkey(validators)))
 
 
 def fetch_manifests(dht) -> list[ManifestRecord]:
-    """All valid manifest records currently in the DHT (invalid ones are logged and skipped)."""
-    return _fetch(dht, RUNS_KEY, ManifestRecord.from_wire, "run manifest")
+    """All validly signed manifest records currently in the DHT, each with the peer id that stored
+    it (invalid ones are logged and skipped)."""
+    return _fetch(dht, RUNS_KEY, ManifestRecord.from_wire, "run manifest", with_signer=True)
 
 
-def fetch_run_manifest(dht, *, run_id: str | None, wait: float, should_stop=lambda: False) -> RunManifest:
-    """Wait up to ``wait`` seconds for the run manifest in the DHT and return it.
+def fetch_run_manifest(dht, *, run_id: str | None, wait: float, should_stop=lambda: False,
+                       trusted_key: str | None = None, anchors: Sequence[str] = ()) -> ManifestRecord:
+    """Wait up to ``wait`` seconds for the run manifest in the DHT and return its record
+    (:func:`choose_manifest` says which records are trusted).
 
     Raises :class:`ManifestError` if none appears, if several runs exist and ``run_id`` is not
-    given, or if publishers disagree about the run's manifest."""
+    given, or if several run keys compete for the run."""
     deadline = time.monotonic() + wait
     seen: list[ManifestRecord] = []
     while True:
         seen = fetch_manifests(dht)
-        matching = [r for r in seen if run_id is None or r.run_id == run_id]
-        if matching:
-            runs = sorted({r.run_id for r in matching})
-            if len(runs) > 1:
-                raise ManifestError(f"several runs are published ({', '.join(runs)}); choose one with --run-id")
-            prints = sorted({r.fingerprint for r in matching})
-            if len(prints) > 1:
-                raise ManifestError(f"bootstrap nodes publish different manifests for run {runs[0]!r} "
-                                    f"(fingerprints {', '.join(prints)})")
-            return matching[0].manifest
+        chosen = choose_manifest(seen, run_id=run_id, trusted_key=trusted_key, anchors=anchors)
+        if chosen is not None:
+            return chosen
         if should_stop():
             raise KeyboardInterrupt
         if time.monotonic() >= deadline:
             break
         time.sleep(0.5)
+    if trusted_key is not None and seen:
+        raise ManifestError(f"no run manifest signed by the given --run-key ({run_key_id(trusted_key)}) within "
+                            f"{wait:.0f}s (found run keys: {', '.join(sorted({run_key_id(r.run_key) for r in seen}))})")
     if run_id is not None and seen:
         raise ManifestError(f"run {run_id!r} is not published in the DHT (found: "
                             f"{', '.join(sorted({r.run_id for r in seen}))})")

@@ -84,6 +84,8 @@ class _ManifestModel(pydantic.BaseModel):
     fingerprint: _Str
     manifest: pydantic.conbytes(strict=True, max_length=65536)  # msgpack of RunManifest.to_dict()
     time: _NonNegFloat
+    run_key: pydantic.constr(strict=True, max_length=4096)  # the run key's public half, ssh-rsa AAAA...
+    signature: pydantic.constr(strict=True, max_length=4096)  # base64, by the run key, over the fields above
 
     class Config:
         extra = pydantic.Extra.forbid

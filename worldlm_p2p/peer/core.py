@@ -86,7 +86,7 @@ class Peer:
             dht=net.dht, validators=net.validators, dht_lock=self._dht_lock, config=cfg, manifest=m,
             peer_id=self.peer_id, label=self.label, stats=self.stats, state=self._state, epsilon=self._epsilon,
             is_leader=lambda: self._world is not None and self._world.is_leader(), finished=self._stop,
-            admission=net.admission, certificate=net.certificate)
+            admission=net.admission, certificate=net.certificate, manifest_record=net.manifest_record)
         others = lambda: progress.region_records(everyone=self.rule.world_group)  # noqa: E731
         self._averager = RegionAverager(tensors=template, dht=net.dht, run_id=m.run_id,
                                         region=ALL_REGIONS if self.rule.world_group else cfg.region,

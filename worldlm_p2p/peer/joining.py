@@ -18,8 +18,8 @@ from worldlm_p2p import rounds
 from worldlm_p2p.config import PeerConfig, RunManifest, manifest_conflicts, privacy_violations
 from worldlm_p2p.errors import ConfigError, DataError, ManifestError
 from worldlm_p2p.net import records
-from worldlm_p2p.net.admission import Certificate, RegionAdmission, check, peer_id_of
-from worldlm_p2p.net.dht import ensure_identity, start_dht
+from worldlm_p2p.net.admission import Certificate, RegionAdmission, check, peer_id_of, run_key_text
+from worldlm_p2p.net.dht import ensure_identity, initial_peer_ids, start_dht, visible_maddrs
 from worldlm_p2p.net.records import fetch_run_manifest
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.strategies import strategy as strategy_of
@@ -45,6 +45,7 @@ class Network:
     peer_id: str
     admission: RegionAdmission
     certificate: dict | None  # this peer's admission to its region (wire form), where the region requires one
+    manifest_record: Any = None  # the run key's signed manifest record, which this peer keeps alive in the DHT
 
 
 def connect(config: PeerConfig, *, stopping: Callable[[], bool]) -> Network:
@@ -63,7 +64,14 @@ def connect(config: PeerConfig, *, stopping: Callable[[], bool]) -> Network:
         validators = records.make_validators(None, key)
         dht = start_dht(net, record_validators=validators)
     try:
-        manifest = fetch_run_manifest(dht, run_id=config.run_id, wait=config.manifest_wait, should_stop=stopping)
+        trusted = run_key_text(config.run_key) if config.run_key else None
+        record = fetch_run_manifest(dht, run_id=config.run_id, wait=config.manifest_wait, should_stop=stopping,
+                                    trusted_key=trusted, anchors=initial_peer_ids(config.net.initial_peers))
+        manifest = record.manifest
+        try:  # this peer keeps the run's manifest alive too, from now on (Progress renews it)
+            records.publish_manifest(dht, validators, record, ttl=records.PEER_MANIFEST_TTL)
+        except Exception as e:
+            logger.debug("could not store a copy of the run manifest: %s", e)
         conflicts = manifest_conflicts(manifest, config.local_overrides)
         if conflicts:
             more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
@@ -75,10 +83,15 @@ def connect(config: PeerConfig, *, stopping: Callable[[], bool]) -> Network:
         dht.shutdown()
         raise
     dht.add_validators(records.make_validators(manifest.run_id, key)[2:])
-    logger.info("joined run %s (manifest %s) as %s in region %s%s", manifest.run_id, manifest.fingerprint(),
-                dht.peer_id, config.region, " (admitted)" if certificate else "")
+    logger.info("joined run %s (manifest %s, run key %s) as %s in region %s%s", manifest.run_id,
+                manifest.fingerprint(), records.run_key_id(record.run_key), dht.peer_id, config.region,
+                " (admitted)" if certificate else "")
+    try:
+        logger.info("others can join through this peer: --initial-peers %s", " ".join(visible_maddrs(dht)))
+    except Exception as e:  # the daemon may not say yet
+        logger.debug("could not read this peer's addresses: %s", e)
     return Network(dht=dht, validators=validators, manifest=manifest, peer_id=str(dht.peer_id), admission=admission,
-                   certificate=certificate)
+                   certificate=certificate, manifest_record=record)
 
 
 def check_own_certificate(config: PeerConfig, admission: RegionAdmission, *, peer_id: str, key) -> dict | None:

@@ -18,16 +18,20 @@ from worldlm_p2p.peer.stats import PeerStats
 
 logger = logging.getLogger(__name__)
 
+MANIFEST_REPUBLISH_EVERY = records.PEER_MANIFEST_TTL / 3
+
 
 class Progress:
     def __init__(self, *, dht, validators, dht_lock: threading.Lock, config: PeerConfig, manifest: RunManifest,
                  peer_id: str, label: str, stats: PeerStats, state: RegionState, epsilon: Callable[[], float],
                  is_leader: Callable[[], bool], finished: threading.Event, admission: RegionAdmission,
-                 certificate: dict | None) -> None:
+                 certificate: dict | None, manifest_record=None) -> None:
         self.dht, self.validators, self.dht_lock = dht, validators, dht_lock
         self.config, self.manifest, self.peer_id, self.label = config, manifest, peer_id, label
         self.stats, self.state, self.epsilon, self.is_leader, self.finished = stats, state, epsilon, is_leader, finished
         self.admission, self.certificate = admission, certificate
+        self.manifest_record = manifest_record  # kept alive in the DHT by this peer too (signed by the run key)
+        self._manifest_published = time.monotonic()  # joining.connect stored the first copy
         self.train_started: float | None = None
         self._thread: threading.Thread | None = None
         self._refused: set[str] = set()  # peers whose records were ignored (logged once each)
@@ -58,6 +62,19 @@ class Progress:
                                          ttl=self.config.progress_ttl)
         except Exception as e:  # the DHT may be shutting down
             logger.debug("could not publish progress: %s", e)
+        self._keep_manifest_alive()
+
+    def _keep_manifest_alive(self) -> None:
+        """Every peer stores the run key's signed manifest under its own subkey too, so that the run
+        outlives its bootstrap nodes (nobody can alter the record: the run key signed it)."""
+        if self.manifest_record is None or time.monotonic() - self._manifest_published < MANIFEST_REPUBLISH_EVERY:
+            return
+        self._manifest_published = time.monotonic()
+        try:
+            with self.dht_lock:
+                records.publish_manifest(self.dht, self.validators, self.manifest_record, ttl=records.PEER_MANIFEST_TTL)
+        except Exception as e:
+            logger.debug("could not re-publish the run manifest: %s", e)
 
     def _closed_group(self, *, everyone: bool) -> bool:
         return self.admission.requires(self.config.region) or (everyone and any(
