@@ -175,6 +175,20 @@ class PeerCheckpoint:
                    has_world_ref="world_ref" in p)
 
 
+def state_digest(tensors: Sequence[torch.Tensor]) -> str:
+    """A short digest (blake2b, 16 hex digits) of a list of tensors, their dtypes and shapes
+    included: members publish the digest of the agreed model they serve, and a joiner accepts a
+    download only when the region's members agree on it."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        c = t.detach().to("cpu").contiguous()
+        h.update(f"{c.dtype}{tuple(c.shape)};".encode())
+        h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
+    return h.hexdigest()
+
+
 def json_safe(value: Any) -> Any:
     """``value`` with every non-finite float (NaN, inf) replaced by None, recursively, so that
     ``json.dumps(..., allow_nan=False)`` writes strict JSON (a bare ``NaN`` is not JSON)."""

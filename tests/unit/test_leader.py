@@ -168,9 +168,10 @@ def test_lease_validates_its_periods(swarm):
 
 def test_oldest_candidate_leads_and_newcomers_do_not_take_over(swarm, caplog):
     caplog.set_level(logging.INFO, logger="worldlm_p2p.net.leader")
-    a, _ = swarm.lease("a", since=5.0)
-    b, _ = swarm.lease("b", since=1.0)
-    c, _ = swarm.lease("c", since=9.0, region="na")
+    t = swarm.clock.t  # candidacies of the last few seconds (a record is aged from when it was first seen)
+    a, _ = swarm.lease("a", since=t - 5.0)
+    b, _ = swarm.lease("b", since=t - 9.0)
+    c, _ = swarm.lease("c", since=t - 1.0, region="na")
     assert a.leader() is None and not a.is_leader()
     for lease in (a, b, c):
         lease.renew()
@@ -294,3 +295,22 @@ def test_an_admitting_region_elects_only_admitted_candidacies_signed_by_their_pe
     open_view = lease("bob", since=7.0, rules=lambda: None)
     open_view.renew()
     assert open_view.leader().peer_id == ids["mallory"]
+
+
+def test_a_newcomer_claiming_an_old_lease_is_aged_from_when_it_was_first_seen(swarm):
+    a, _ = swarm.lease("a", since=swarm.clock.t)
+    b, _ = swarm.lease("b", since=swarm.clock.t + 1)
+    a.renew(), b.renew(), a.renew()
+    assert a.leader().peer_id == b.leader().peer_id == "a"
+    swarm.clock.t += 100.0
+    mallory, _ = swarm.lease("mallory", since=0.0)  # claims to have been a candidate since time 0
+    mallory.renew()
+    a.renew(), b.renew()
+    # a and b first read mallory's candidacy now: it counts from now less the tolerance, after a's
+    assert a.leader().peer_id == b.leader().peer_id == "a"
+    aged = [r for r in a.leases() if r.peer_id == "mallory"][0]
+    assert aged.since == pytest.approx(swarm.clock.t - 3 * a.ttl)
+    # a peer whose first refresh already holds it cannot know better: it takes the claim as it is
+    late, _ = swarm.lease("late", since=swarm.clock.t)
+    late.renew()
+    assert late.leader().peer_id == "mallory"

@@ -33,6 +33,7 @@ TTL. ``since`` is self-reported: a signed record proves who wrote it, not that i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -107,6 +108,12 @@ class LeaderLease:
         self._published: LeaseRecord | None = None  # own record in the view: last one stored, or a withdrawal
         self._last_expiration = 0.0  # DHT expiration time of the last publication
         self._others: tuple[LeaseRecord, ...] = ()  # other peers' records from the last refresh
+        # when this peer first read each (peer, since) candidacy: a candidacy that appears later than
+        # it claims to have begun is aged from when it was first seen, less a tolerance of a few
+        # lease periods (honest newcomers' records reach the others within one renewal)
+        self._first_seen: dict[tuple[str, float], float] = {}
+        self._age_tolerance = 3 * self.ttl
+        self._refreshed_once = False
         self._last_leader: str | None = None  # peer id of the leader at the last refresh (for logging)
         self._stop = threading.Event()
         self._stopped = False
@@ -226,12 +233,29 @@ class LeaderLease:
             logger.debug("region %s: could not read lease records: %s: %s", self.region, type(e).__name__, e)
         else:
             admitted = self._admitted()
+            now = get_dht_time()
+            others = [self._aged(r, now) for r in fetched if r.peer_id != self.peer_id and (
+                admitted is None or r.region != self.region or (r.peer_id in admitted and r.signer == r.peer_id))]
             with self._state_lock:
-                self._others = tuple(r for r in fetched if r.peer_id != self.peer_id and (
-                    admitted is None or r.region != self.region or (r.peer_id in admitted and r.signer == r.peer_id)))
+                self._others = tuple(others)
+            self._refreshed_once = True
         current = self.leader()
         self._note(current)
         return current
+
+    def _aged(self, record: LeaseRecord, now: float) -> LeaseRecord:
+        """``record`` with its ``since`` bounded by what this peer observed: no earlier than when it
+        first read this candidacy, less :attr:`_age_tolerance` (a candidacy present at this peer's
+        first refresh is taken as it claims: this peer cannot know better). A record that claims
+        ``since = 0`` to take an established lease at once is aged as the newcomer it is."""
+        key = (record.peer_id, float(record.since))
+        first = self._first_seen.get(key)
+        if first is None:
+            first = self._first_seen[key] = now if self._refreshed_once else -math.inf
+            if len(self._first_seen) > 4096:  # bounded memory against a flood of candidacies
+                self._first_seen = dict(list(self._first_seen.items())[-2048:])
+        bound = first - self._age_tolerance
+        return record if record.since >= bound else dataclasses.replace(record, since=bound)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

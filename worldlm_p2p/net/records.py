@@ -74,6 +74,8 @@ class ProgressRecord:
     mix_region: float = -1.0
     mix_world: float = -1.0
     certificate: dict | None = None  # the region's admission of this peer (net.admission.Certificate wire)
+    state_round: int = -1  # the round of the region's agreed model this peer serves (-1: none yet)
+    state_digest: str = ""  # that model's digest (worldlm_p2p.codec.state_digest)
     # not on the wire: the peer id of the key that signed the record in the DHT (set by the reader)
     signer: str | None = field(default=None, compare=False)
 
@@ -97,6 +99,8 @@ class ProgressRecord:
             d[k] = int(d[k])
         d["waiting_for_round"] = int(d["waiting_for_round"])
         d["finished"] = bool(d["finished"])
+        d["state_round"] = max(-1, int(d["state_round"]))
+        d["state_digest"] = str(d["state_digest"])[:64]
         return d
 
     @classmethod

@@ -61,6 +61,8 @@ class _ProgressModel(pydantic.BaseModel):
     mix_region: pydantic.confloat(strict=True, ge=-1, le=1, allow_inf_nan=False) = -1.0
     mix_world: pydantic.confloat(strict=True, ge=-1, le=1, allow_inf_nan=False) = -1.0
     certificate: Optional[_CertificateModel] = None  # the region's admission of this peer
+    state_round: pydantic.conint(strict=True, ge=-1) = -1  # the round of the agreed model it serves
+    state_digest: pydantic.constr(strict=True, max_length=64) = ""  # its digest (codec.state_digest)
 
     class Config:
         extra = pydantic.Extra.forbid

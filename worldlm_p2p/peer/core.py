@@ -100,7 +100,7 @@ class Peer:
         self._server = StateServer(averager=self._averager, state=self._state, stats=self.stats, rule=self.rule,
                                    fingerprint=m.fingerprint())
         parts = dict(config=cfg, rule=self.rule, member=self._member, state=self._state, stats=self.stats,
-                     server=self._server, admitted=lambda: progress.admitted)
+                     server=self._server, admitted=lambda: progress.admitted, fetch_others=others)
         live = others()  # (an admitting region: who is admitted, before the lease counts candidacies)
         if not resumed:
             joining.late_join(others=live, trace=self._trace, **parts)

@@ -220,7 +220,8 @@ def region_model(served, *, rule: rounds.RoundRule, member: Member) -> list[torc
 
 def late_join(config: PeerConfig, *, others: list, rule: rounds.RoundRule, member: Member, state: RegionState,
               stats: PeerStats, server: StateServer, trace: Callable[[str, dict], None],
-              admitted: Callable[[], set[str] | None] = lambda: None) -> None:
+              admitted: Callable[[], set[str] | None] = lambda: None,
+              fetch_others: Callable[[], list] | None = None) -> None:
     """Load the region's current model from a live peer when the region has averaged already."""
     live = [r for r in others if not r.finished]
     if not live:
@@ -230,8 +231,8 @@ def late_join(config: PeerConfig, *, others: list, rule: rounds.RoundRule, membe
         logger.info("region %s has not averaged yet: its model is the run's common initialisation", config.region)
         return
     logger.info("region %s has %d live peer(s): loading its current model", config.region, len(live))
-    peers = [r.peer_id for r in sorted(live, key=lambda r: -r.round)] if admitted() is not None else None
-    served = server.download_region(timeout=config.join_state_timeout, peers=peers)
+    served = server.download_verified(timeout=config.join_state_timeout, fetch_others=fetch_others or (lambda: live),
+                                      admitted=admitted)
     if served is None:
         return
     state.anchor, state.momentum = region_model(served, rule=rule, member=member), served.momentum or None
@@ -248,15 +249,20 @@ def late_join(config: PeerConfig, *, others: list, rule: rounds.RoundRule, membe
 
 def refresh_joined_anchor(missed: int, *, config: PeerConfig, rule: rounds.RoundRule, member: Member,
                           state: RegionState, stats: PeerStats, server: StateServer,
-                          admitted: Callable[[], set[str] | None] = lambda: None) -> None:
+                          admitted: Callable[[], set[str] | None] = lambda: None,
+                          fetch_others: Callable[[], list] | None = None) -> None:
     """A peer that joined from the region's state and then finds the region ahead of it at its
     first barrier (the region's lone peer held region rounds of one while this one started) holds
     a stale anchor; every member of a round must hold the same one (the reference of the K
     attention and of the pure round), so it downloads the region's current agreed model again.
     Its own model, trained meanwhile, is kept: that is its contribution."""
-    peers = admitted()
-    served = server.download_region(timeout=config.join_state_timeout,
-                                    peers=sorted(peers) if peers is not None else None)
+    if fetch_others is not None:
+        served = server.download_verified(timeout=config.join_state_timeout, fetch_others=fetch_others,
+                                          admitted=admitted)
+    else:
+        peers = admitted()
+        served = server.download_region(timeout=config.join_state_timeout,
+                                        peers=sorted(peers) if peers is not None else None)
     if served is None or served.round < stats.round:
         return  # not newer than what this peer holds
     state.anchor, state.momentum = region_model(served, rule=rule, member=member), served.momentum or None

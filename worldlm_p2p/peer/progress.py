@@ -53,7 +53,8 @@ class Progress:
             loss_trend=tuple(h["loss"] for h in s.history[-records.MAX_LOSS_TREND:]), epsilon=self.epsilon(),
             border_epsilon=border.epsilon() if border is not None else -1.0,
             border_releases=border.releases if border is not None else -1,
-            mix_region=s.recent_mix("region"), mix_world=s.recent_mix("world"), certificate=self.certificate)
+            mix_region=s.recent_mix("region"), mix_world=s.recent_mix("world"), certificate=self.certificate,
+            state_round=s.state_round, state_digest=s.state_digest)
 
     def publish(self) -> None:
         try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
-from worldlm_p2p.codec import ServedState, StateError
+from worldlm_p2p.codec import ServedState, StateError, state_digest
 from worldlm_p2p.net.averaging import RegionAverager
 from worldlm_p2p.rounds import RoundRule, border_shared
 
@@ -29,6 +29,7 @@ class StateServer:
                                    world_round=self.stats.world_round)
         meta, tensors = served.encode()
         self.averager.set_shared_state(round_index=served.round, tensors=tensors, **meta)
+        self.stats.state_round, self.stats.state_digest = served.round, state_digest(served.agreed)
 
     def _decode(self, loaded, *, what: str) -> ServedState | None:
         if loaded is None:
@@ -66,6 +67,47 @@ class StateServer:
                            timeout)
             return None
         return self._decode(loaded, what="region state")
+
+    def download_verified(self, *, timeout: float, fetch_others, admitted=lambda: None) -> ServedState | None:
+        """The region's agreed model, checked: the (round, digest) that most live members publish is
+        the one taken (ties: the later round); it is downloaded from one of the members that publish
+        it, and a download whose digest differs is refused and logged (the next supporter is asked).
+        A member claiming an absurd round, or serving another model than it claims, moves nothing
+        while the region's majority says otherwise. None when nothing verified arrived in time."""
+        deadline = time.monotonic() + timeout
+        refused: set[str] = set()
+        while time.monotonic() < deadline:
+            allowed = admitted()
+            live = [r for r in fetch_others() if not r.finished and r.state_digest and r.state_round >= 0
+                    and (allowed is None or r.peer_id in allowed) and r.peer_id not in refused]
+            if not live:
+                time.sleep(0.5)
+                continue
+            tally: dict[tuple[int, str], list[str]] = {}
+            for r in live:
+                tally.setdefault((r.state_round, r.state_digest), []).append(r.peer_id)
+            (round_, digest), supporters = max(tally.items(), key=lambda kv: (len(kv[1]), kv[0][0]))
+            for peer_id in supporters:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                served = self.download_from(peer_id, timeout=min(left, 10.0))
+                if served is None:
+                    continue
+                got = state_digest(served.agreed)
+                if got == digest:
+                    logger.info("the region's model of round %d (digest %s) is what %d of %d live members publish",
+                                served.round, digest, len(supporters), len(live))
+                    return served
+                if served.round != round_:  # it moved on since its record: read the records again
+                    break
+                refused.add(peer_id)
+                logger.warning("refused the state served by %s: its digest %s is not the %s it publishes for round "
+                               "%d", peer_id, got, digest, round_)
+            time.sleep(0.5)
+        logger.warning("could not download a verified region model within %.0fs; keeping the model this peer has",
+                       timeout)
+        return None
 
     def download_from(self, peer_id: str, *, timeout: float) -> ServedState | None:
         """The state ``peer_id`` serves (None when it does not answer or the state is unusable)."""

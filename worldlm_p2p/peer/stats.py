@@ -43,6 +43,10 @@ class PeerStats:
     bytes_sent: int = _stat(0)
     bytes_received: int = _stat(0)
     waiting_for_round: int = _stat(-1, ckpt=False, summary=False)
+    # what this peer serves: the round of its region's agreed model and that model's digest
+    # (worldlm_p2p.codec.state_digest), so that a joiner can check a download against the region
+    state_round: int = _stat(-1, ckpt=False, summary=False)
+    state_digest: str = _stat("", ckpt=False, summary=False)
     seconds_to_first_round: float | None = _stat(None, ckpt=False)
     initial_step: int = _stat(0, ckpt=False)
     initial_tokens: int = _stat(0, ckpt=False, summary=False)
