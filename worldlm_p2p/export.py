@@ -163,6 +163,15 @@ def checkpoint_manifest(loaded: LoadedCheckpoint, *, run_config: str | None = No
     return manifest
 
 
+def _is_initial(model, anchor) -> bool:
+    """Whether ``anchor`` is exactly the parameters ``model`` was built with."""
+    import torch
+
+    params = [p.detach() for p in model.parameters()]
+    return len(params) == len(anchor) and all(isinstance(a, torch.Tensor) and a.shape == p.shape and torch.equal(a, p)
+                                              for a, p in zip(anchor, params))
+
+
 def checkpoint_model(loaded: LoadedCheckpoint, manifest: RunManifest, *, which: str) -> tuple[Any, Any]:
     """``(model, tokenizer)``: the ``transformers`` model (CPU, eval mode) holding the ``which``
     model of the checkpoint, with the token ids of ``tokenizer`` in its config, and the run's
@@ -181,6 +190,9 @@ def checkpoint_model(loaded: LoadedCheckpoint, manifest: RunManifest, *, which: 
                           "region model: export the peer's own model with --which peer")
     tokenizer = load_tokenizer(manifest.tokenizer)
     model = build_model(manifest.model, vocab_size=tokenizer.vocab_size, seed=manifest.train.seed)
+    if which == "region" and _is_initial(model, p.anchor):
+        logger.warning("checkpoint %s: the region model this peer holds is the run's initial, untrained model (it "
+                       "never averaged with its region); export its own model with --which peer", loaded.path)
     try:
         model.load_state_dict(p.model)
         if which == "region":

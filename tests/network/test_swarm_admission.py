@@ -24,9 +24,9 @@ def test_only_admitted_peers_average_and_a_stranger_moves_nothing(procs, tmp_pat
              "the stranger to join the DHT")
     stranger_id = (tmp_path / "logs" / "stranger.log").read_text().split("STRANGER", 1)[1].split()[0]
     a = start_peer(procs, tmp_path, maddrs, region="eu", sub="de_news-reviews-wiki", label="eu-a", max_steps=30,
-                   extra=flags["eu-a"])
+                   extra=[*flags["eu-a"], "--wait-for-peers", "2"])  # the stranger is never counted
     b = start_peer(procs, tmp_path, maddrs, region="eu", sub="es_blog-news-reviews-wiki", label="eu-b", max_steps=30,
-                   extra=flags["eu-b"])
+                   extra=[*flags["eu-b"], "--wait-for-peers", "2"])
     for p, label in ((a, "eu-a"), (b, "eu-b")):
         try:
             code = p.wait(timeout=300)

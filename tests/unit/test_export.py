@@ -351,3 +351,15 @@ def test_eval_bad_input(exports: dict[str, Path], tmp_path: Path, capsys: pytest
     for argv, needles in cases:
         assert _run(eval_cli.main, argv) == 2, argv
         _assert_one_line(capsys, "worldlm-eval", *needles)
+
+
+def test_exporting_a_region_model_that_never_trained_warns(ckpt: dict, caplog: pytest.LogCaptureFixture) -> None:
+    from worldlm_p2p.checkpoint import load_latest_checkpoint
+    from worldlm_p2p.export import checkpoint_model
+
+    loaded = load_latest_checkpoint(ckpt["root"] / "peer")
+    with caplog.at_level(logging.WARNING, logger="worldlm_p2p.export"):
+        checkpoint_model(loaded, ckpt["manifest"], which="peer")
+        assert "initial, untrained model" not in caplog.text  # the peer's own model trained 4 steps
+        checkpoint_model(loaded, ckpt["manifest"], which="region")  # its anchor is the init
+    assert "initial, untrained model" in caplog.text and "--which peer" in caplog.text
