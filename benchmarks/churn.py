@@ -105,14 +105,21 @@ class Member:
         self.kills.append(dict(time=time.time(), last_checkpoint=max(ckpts) if ckpts else None,
                                last_round_step=max(steps) if steps else None, n_events=len(events)))
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+
+    def wait_stopped(self, deadline: float) -> bool:
+        """Whether the peer stopped cleanly by ``deadline`` (else it is SIGKILLed)."""
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            return True
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            return False
 
     def report(self) -> dict:
         events = _events(self.dir / "events.jsonl")
@@ -167,21 +174,24 @@ def run(args, *, churn: bool, tmp: Path) -> dict:
                 for m in victims:
                     m.start()
                 next_kill += args.kill_every
-        for m in members:
-            m.stop()
+        for m in members:  # all at once: a swarm stopping together
+            m.terminate()
+        deadline = time.monotonic() + args.stop_grace
+        clean = sum(m.wait_stopped(deadline) for m in members)
     finally:
         for m in members:
             if m.proc is not None and m.proc.poll() is None:
                 os.killpg(m.proc.pid, signal.SIGKILL)
         os.killpg(boot.pid, signal.SIGTERM)
         boot.wait(timeout=30)
-    minutes = (time.monotonic() - t0) / 60
+    minutes = args.minutes
     reports = [m.report() for m in members]
     averaged = sum(r["averaged"] for r in reports)
     attempts = sum(r["averaged"] + r["failed"] for r in reports)
     restarts = [x for r in reports for x in r["restarts"]]
     losses = [r["valid_loss"] for r in reports if isinstance(r["valid_loss"], (int, float)) and math.isfinite(r["valid_loss"])]
     return dict(churn=churn, minutes=round(minutes, 2), peers=len(members), kills=sum(r["kills"] for r in reports),
+                stopped_cleanly=clean,
                 averaged_per_minute=round(averaged / minutes, 2),
                 averaged_share=round(averaged / attempts, 3) if attempts else None,
                 restarts=len(restarts),
@@ -198,6 +208,7 @@ def main(argv=None) -> int:
     p.add_argument("--kill-every", type=float, default=60.0)
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-grace", type=float, default=90.0, help="seconds the peers get to stop on SIGTERM")
     p.add_argument("--baseline", action="store_true", help="also run the same swarm as long without churn")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "churn.json")
     args = p.parse_args(argv)
@@ -208,14 +219,15 @@ def main(argv=None) -> int:
             results.append(run(args, churn=False, tmp=Path(d) / "calm"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(args={k: str(v) for k, v in vars(args).items()}, results=results), indent=1))
-    print("| run | peers | minutes | kills | rounds averaged / min | averaged share | restarts resumed from checkpoint "
-          "| steps lost beyond the last checkpoint | mean valid loss |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|---:|")
+    print("| run | peers | minutes | kills | rounds averaged / min | averaged share | restarts resumed from "
+          "checkpoint | steps lost beyond the last checkpoint | stopped cleanly | mean valid loss (peers) |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|---|---:|")
     for r in results:
         loss = f"{r['mean_valid_loss']:.4f}" if r["mean_valid_loss"] is not None else "-"
         print(f"| {'churn' if r['churn'] else 'no churn'} | {r['peers']} | {r['minutes']} | {r['kills']} | "
               f"{r['averaged_per_minute']} | {r['averaged_share']} | {r['resumed_from_checkpoint']}/{r['restarts']} | "
-              f"{r['steps_lost_beyond_last_checkpoint']} | {loss} |")
+              f"{r['steps_lost_beyond_last_checkpoint']} | {r['stopped_cleanly']}/{r['peers']} | "
+              f"{loss} ({r['peers_reporting']}) |")
     return 0
 
 

@@ -124,7 +124,7 @@ class FakeDHT:
         entries[subkey] = (value, expiration_time)
         return True
 
-    def get(self, key, latest=False):
+    def get(self, key, latest=False, return_future=False):
         if self.fail:
             raise RuntimeError("dht down")
         now = self.clock()

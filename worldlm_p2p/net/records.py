@@ -345,8 +345,8 @@ PEER_MANIFEST_TTL = 120.0
 def publish_manifest(dht, validators, record: ManifestRecord, *, ttl: float) -> bool:
     """Store a signed manifest record under this process's own subkey (a bootstrap node, or any
     peer that keeps the run's manifest alive), expiring ``ttl`` seconds from now."""
-    return bool(dht.store(RUNS_KEY, record.to_wire(), expiration_time=get_dht_time() + ttl,
-                          subkey=owner_subkey(validators)))
+    return _wait(dht.store(RUNS_KEY, record.to_wire(), expiration_time=get_dht_time() + ttl,
+                           subkey=owner_subkey(validators), return_future=True), "storing the run manifest", dht)
 
 
 def fetch_manifests(dht) -> list[ManifestRecord]:
@@ -384,17 +384,39 @@ def fetch_run_manifest(dht, *, run_id: str | None, wait: float, should_stop=lamb
                         "with --run-config, or check --initial-peers")
 
 
+#: the longest a DHT call may take: hivemind's DHT runs in a child process, and a call to one that
+#: died (a SIGTERM to the whole process group, as systemd sends) would otherwise never return
+DHT_CALL_TIMEOUT = 30.0
+
+
+def _wait(future, what: str, dht=None):
+    """The result of a hivemind DHT call, or ``TimeoutError`` after :data:`DHT_CALL_TIMEOUT` (at
+    once when the DHT's process is gone)."""
+    import concurrent.futures
+
+    if not hasattr(future, "result"):  # a DHT stand-in that answers at once
+        return future
+    if dht is not None and hasattr(dht, "is_alive") and not dht.is_alive():
+        future.cancel()
+        raise TimeoutError(f"{what}: the DHT process is gone")
+    try:
+        return future.result(timeout=DHT_CALL_TIMEOUT)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"{what}: the DHT did not answer within {DHT_CALL_TIMEOUT:.0f}s") from None
+
+
 def _store(dht, validators, key: str, wire: dict[str, Any], *, ttl: float) -> bool:
     """Store ``wire`` under this process's own signed subkey of ``key``, expiring ``ttl`` s from now."""
-    return bool(dht.store(key, wire, expiration_time=get_dht_time() + ttl, subkey=owner_subkey(validators),
-                          return_future=False))
+    return bool(_wait(dht.store(key, wire, expiration_time=get_dht_time() + ttl, subkey=owner_subkey(validators),
+                                return_future=True), f"storing {key}", dht))
 
 
 def _fetch(dht, key: str, parse, what: str, *, with_signer: bool = False) -> list:
     """Every record under ``key`` that ``parse`` accepts; a malformed one is logged and skipped.
     ``with_signer``: each record learns the peer id of the key that signed it (``signed_by``)."""
     out = []
-    for subkey, item in _entries(dht.get(key, latest=True)).items():
+    for subkey, item in _entries(_wait(dht.get(key, latest=True, return_future=True), f"reading {key}", dht)).items():
         try:
             record = parse(item.value)
         except ValueError as e:

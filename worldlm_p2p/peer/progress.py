@@ -3,6 +3,7 @@ monitor shows and what the region's barrier reads)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -19,6 +20,8 @@ from worldlm_p2p.peer.stats import PeerStats
 logger = logging.getLogger(__name__)
 
 MANIFEST_REPUBLISH_EVERY = records.PEER_MANIFEST_TTL / 3
+DHT_WAIT = 10.0  # seconds the main thread waits for the DHT lock before it skips a publication
+DHT_WAIT_STOPPING = 2.0  # ... once the peer is stopping
 
 
 class Progress:
@@ -35,7 +38,8 @@ class Progress:
         self.train_started: float | None = None
         self._thread: threading.Thread | None = None
         self._refused: set[str] = set()  # peers whose records were ignored (logged once each)
-        self.banned: set[str] = set()  # members caught repeatedly by the robust rule: never waited for again
+        self.banned: set[str] = set()
+        self._last_records: list[records.ProgressRecord] = []  # members caught repeatedly by the robust rule: never waited for again
         # the peers this one may average with, from the last records read (None: an open group)
         self.admitted: set[str] | None = set() if self._closed_group(everyone=False) else None
 
@@ -56,9 +60,21 @@ class Progress:
             mix_region=s.recent_mix("region"), mix_world=s.recent_mix("world"), certificate=self.certificate,
             state_round=s.state_round, state_digest=s.state_digest)
 
+    @contextlib.contextmanager
+    def _dht(self, timeout: float):
+        """The DHT lock, waited for at most ``timeout`` seconds (``TimeoutError`` then): a world
+        round's DHT call in another thread can take many seconds, and a stopping peer, or its
+        barrier, must not wait on it without bound."""
+        if not self.dht_lock.acquire(timeout=timeout):
+            raise TimeoutError(f"the DHT was busy for {timeout:.0f}s")
+        try:
+            yield
+        finally:
+            self.dht_lock.release()
+
     def publish(self) -> None:
         try:
-            with self.dht_lock:
+            with self._dht(DHT_WAIT_STOPPING if self.finished.is_set() else DHT_WAIT):
                 records.publish_progress(self.dht, self.validators, self.manifest.run_id, self.record(),
                                          ttl=self.config.progress_ttl)
         except Exception as e:  # the DHT may be shutting down
@@ -72,7 +88,7 @@ class Progress:
             return
         self._manifest_published = time.monotonic()
         try:
-            with self.dht_lock:
+            with self._dht(DHT_WAIT_STOPPING if self.finished.is_set() else DHT_WAIT):
                 records.publish_manifest(self.dht, self.validators, self.manifest_record, ttl=records.PEER_MANIFEST_TTL)
         except Exception as e:
             logger.debug("could not re-publish the run manifest: %s", e)
@@ -84,9 +100,14 @@ class Progress:
     def region_records(self, *, everyone: bool) -> list[records.ProgressRecord]:
         """The records of the other members of this peer's group (``everyone``: of the whole run)
         that are admitted to the region they claim; the others are ignored (logged once per peer),
-        and :attr:`admitted` becomes the peers this one may average with."""
-        with self.dht_lock:
-            recs = records.fetch_progress(self.dht, self.manifest.run_id)
+        and :attr:`admitted` becomes the peers this one may average with. While the DHT is busy
+        (another thread's call), the records of the last read."""
+        try:
+            with self._dht(DHT_WAIT):
+                recs = records.fetch_progress(self.dht, self.manifest.run_id)
+            self._last_records = recs
+        except TimeoutError:
+            recs = self._last_records
         mine = [r for r in recs if (everyone or r.region == self.config.region) and r.peer_id != self.peer_id
                 and r.peer_id not in self.banned and r.fingerprint == self.manifest.fingerprint()]
         out = []
