@@ -36,29 +36,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fast_run import fast_run, peer_env  # noqa: E402
 
 DEMO = REPO / "worldlm_p2p" / "demo_data"
-RUN = """
-run_id = "{run_id}"
-[model]
-preset = "tiny"
-[train]
-inner_steps = 10
-batch_size = 4
-seq_len = 64
-eval_tokens = 4096
-[averaging]
-matchmaking_time = 1.5
-request_timeout = 0.5
-averaging_timeout = 15.0
-barrier_timeout = 20.0
-"""
+
 
 
 def _env() -> dict[str, str]:
-    e = dict(os.environ)
-    e.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", WORLDLM_LOGLEVEL="INFO")
-    return e
+    return peer_env()
 
 
 def _events(path: Path) -> list[dict]:
@@ -147,7 +133,7 @@ class Member:
 def run(args, *, churn: bool, tmp: Path) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     run_id = "churn" if churn else "calm"
-    (tmp / "run.toml").write_text(RUN.format(run_id=run_id))
+    (tmp / "run.toml").write_text(fast_run(run_id=run_id, inner_steps=10, barrier_timeout=20.0))
     boot = subprocess.Popen([sys.executable, "-m", "worldlm_p2p.cli.bootstrap", "--run-config", str(tmp / "run.toml"),
                              "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], stdout=subprocess.PIPE,
                             stderr=open(tmp / "bootstrap.log", "wb"), env=_env(), start_new_session=True, cwd=REPO)

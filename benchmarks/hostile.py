@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fast_run import fast_run, peer_env  # noqa: E402
 
 DEMO = REPO / "worldlm_p2p" / "demo_data" / "na"
 HONEST = ("en_news-wiki", "en_reviews", "en_weblog")
@@ -42,29 +43,11 @@ ATTACKER_DATA = ("en_answers", "en_email")
 ATTACKS = ("scale", "flip", "random", "nan")
 GROUPS = ((2, 1), (3, 2))  # (honest, malicious)
 
-RUN = """
-run_id = "{run_id}"
-[model]
-preset = "tiny"
-[train]
-inner_steps = {inner_steps}
-batch_size = 4
-seq_len = 64
-eval_tokens = 4096
-[averaging]
-matchmaking_time = 1.5
-request_timeout = 0.5
-averaging_timeout = 15.0
-barrier_timeout = 30.0
-[aggregation]
-robust = "{robust}"
-"""
+
 
 
 def _env() -> dict[str, str]:
-    e = dict(os.environ)
-    e.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", WORLDLM_LOGLEVEL="INFO")
-    return e
+    return peer_env()
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -77,7 +60,8 @@ def run_one(*, tmp: Path, honest: int, malicious: int, attack: str | None, robus
             inner_steps: int) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     run_id = f"h{honest}m{malicious}{attack or 'none'}{robust}"
-    (tmp / "run.toml").write_text(RUN.format(run_id=run_id, inner_steps=inner_steps, robust=robust))
+    (tmp / "run.toml").write_text(fast_run(run_id=run_id, inner_steps=inner_steps, barrier_timeout=30.0,
+                                           aggregation=f'robust = "{robust}"'))
     procs: list[subprocess.Popen] = []
     members = honest + (malicious if attack else 0)
     try:
