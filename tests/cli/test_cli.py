@@ -271,3 +271,30 @@ def test_bad_inputs_found_by_trying_them_get_one_line_before_anything_starts(tmp
         assert_one_line_error(code, err, *needles)
     code, _, err = run(SWARM + ["--out", str(tmp_path / "file.txt" / "out")])
     assert_one_line_error(code, err, "--out", "cannot write")
+
+
+def test_a_listen_address_in_use_or_not_of_this_machine_gets_one_line(tmp_path):
+    """A second bootstrap on a port in use used to start and share the address with the first (libp2p
+    binds with SO_REUSEPORT); an address that is not this machine's was reported as an unreachable
+    bootstrap after 30 s of retries."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        in_use = f"/ip4/127.0.0.1/tcp/{port}"
+        # 192.0.2.1 (TEST-NET-1, RFC 5737) is no interface's address
+        for argv, needles in (
+                (BOOT + ["--host-maddrs", in_use], ["already in use", str(port)]),
+                (PEER + ["--region", "eu", "--data", DATA, "--initial-peers", NOBODY, "--host-maddrs", in_use],
+                 ["already in use", str(port)]),
+                (BOOT + ["--host-maddrs", "/ip4/192.0.2.1/tcp/0"], ["192.0.2.1", "not an address of this machine"]),
+                (PEER + ["--region", "eu", "--data", DATA, "--initial-peers", NOBODY, "--host-maddrs",
+                         "/ip4/192.0.2.1/tcp/0"], ["not an address of this machine", "--announce-maddrs"])):
+            code, _, err = run(argv, timeout=60)
+            assert_one_line_error(code, err, *needles)
+            assert "could not reach" not in err
+    finally:
+        taken.close()

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        from worldlm_p2p.net.dht import parse_maddrs
+        from worldlm_p2p.net.dht import check_listen_addrs, parse_maddrs
 
         manifest = RunManifest.from_toml(args.run_config) if args.run_config else None
         if manifest is not None:  # a region key that does not parse would lock that region's peers out
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
                         announce_maddrs=tuple(args.announce_maddrs), identity_path=args.identity)
         parse_maddrs(net.initial_peers, what="--initial-peers", require_peer_id=True)
         parse_maddrs(net.host_maddrs, what="--host-maddrs", require_peer_id=False)
+        check_listen_addrs(net.host_maddrs, what="--host-maddrs")
         parse_maddrs(net.announce_maddrs, what="--announce-maddrs", require_peer_id=False)
 
         from worldlm_p2p.bootstrap import BootstrapConfig, BootstrapNode

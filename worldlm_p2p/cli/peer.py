@@ -154,10 +154,11 @@ def make_config(args) -> PeerConfig:
     config = PeerConfig(**kwargs)
     # cheap checks first, so that bad input fails before the heavy imports and the network
     from worldlm_p2p.errors import DataError
-    from worldlm_p2p.net.dht import parse_maddrs
+    from worldlm_p2p.net.dht import check_listen_addrs, parse_maddrs
 
     parse_maddrs(config.net.initial_peers, what="--initial-peers", require_peer_id=True)
     parse_maddrs(config.net.host_maddrs, what="--host-maddrs", require_peer_id=False)
+    check_listen_addrs(config.net.host_maddrs, what="--host-maddrs")
     parse_maddrs(config.net.announce_maddrs, what="--announce-maddrs", require_peer_id=False)
     data = Path(config.data)
     if not data.exists():

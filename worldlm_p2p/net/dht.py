@@ -47,6 +47,44 @@ def parse_maddrs(values: Iterable[str], *, what: str, require_peer_id: bool) -> 
     return tuple(out)
 
 
+def check_listen_addrs(values: Iterable[str], *, what: str) -> None:
+    """Fail fast, with one line, when this process cannot listen where ``values`` say.
+
+    libp2p binds with ``SO_REUSEPORT``: a second node on a port in use would start and share the
+    address with the first (two peer ids, one port), and an address that is not this machine's
+    shows up only as "could not reach bootstrap" after the retries. Binding a plain socket first
+    names the cause. DNS names are not checked.
+    """
+    import errno
+    import socket
+
+    for text in values:
+        maddr = Multiaddr(str(text))
+        values_of = {p.name: maddr.value_for_protocol(p.code) for p in maddr.protocols()}
+        host = values_of.get("ip4") or values_of.get("ip6")
+        kind = "tcp" if "tcp" in values_of else "udp" if "udp" in values_of else None
+        if host is None or kind is None:
+            continue
+        port = int(values_of[kind])  # (port 0 binds any free port: that still checks the address)
+        family = socket.AF_INET6 if "ip6" in values_of else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM if kind == "tcp" else socket.SOCK_DGRAM)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise AddressError(f"{what} {text}: {kind} port {port} is already in use on {host} (another "
+                                   "worldlm-bootstrap or peer?); choose another port, or port 0 for any") from None
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise AddressError(f"{what} {text}: {host} is not an address of this machine; listen on "
+                                   "0.0.0.0 (or ::) and give the public address with --announce-maddrs") from None
+            if e.errno == errno.EACCES:
+                raise AddressError(f"{what} {text}: no permission to listen on {kind} port {port} "
+                                   "(ports below 1024 need privileges)") from None
+            raise AddressError(f"{what} {text}: cannot listen there: {e.strerror or e}") from None
+        finally:
+            sock.close()
+
+
 def initial_peer_ids(maddrs: Iterable[str]) -> tuple[str, ...]:
     """The peer ids named by ``/p2p/<id>`` in these multiaddrs (the bootstrap nodes a process joins
     through: the run keys of the manifests they stored are the ones it trusts by default)."""
@@ -116,6 +154,7 @@ def start_dht(net: NetConfig, *, record_validators: Sequence = (), client_mode: 
     initial = parse_maddrs(net.initial_peers, what="--initial-peers", require_peer_id=True)
     host = parse_maddrs(net.host_maddrs, what="--host-maddrs", require_peer_id=False)
     announce = parse_maddrs(net.announce_maddrs, what="--announce-maddrs", require_peer_id=False)
+    check_listen_addrs(host, what="--host-maddrs")
     kwargs = dict(
         initial_peers=list(initial),
         host_maddrs=list(host),
