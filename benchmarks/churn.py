@@ -12,9 +12,11 @@ Reported: region rounds averaged per minute (all peers), the share of round atte
 the kills, **state lost** per restart (the steps between the last checkpoint a killed peer wrote and
 the step it resumed from: the work since its last checkpoint is expected to be lost, anything
 beyond, or a resume from an older checkpoint, is lost state), restarts that failed to resume, and
-the peers' final valid loss against the baseline's.
+the peers' final valid loss against the baseline's. Mid-run one random peer is SIGSTOPped for
+``--stall`` seconds: how long its region mates' rounds were held meanwhile, and whether it averaged
+again after SIGCONT.
 
-    python benchmarks/churn.py [--peers 8] [--minutes 10] [--kill-every 60] [--baseline]
+    python benchmarks/churn.py [--peers 8] [--minutes 10] [--kill-every 60] [--stall 45] [--baseline]
 
 Asserts nothing; prints a Markdown table and writes the raw numbers to ``--out``.
 """
@@ -62,7 +64,7 @@ def _events(path: Path) -> list[dict]:
 
 class Member:
     def __init__(self, tmp: Path, maddrs: list[str], region: str, sub: str) -> None:
-        self.label = f"{region}-{sub}"[:40]
+        self.label, self.region = f"{region}-{sub}"[:40], region
         self.dir = tmp / self.label
         self.dir.mkdir(parents=True, exist_ok=True)
         self.args = [sys.executable, "-m", "worldlm_p2p.cli.peer", "--region", region, "--data", str(DEMO / region / sub),
@@ -130,6 +132,30 @@ class Member:
                     restarts=lost, valid_loss=summary.get("valid_loss"), steps=summary.get("steps"))
 
 
+def stall_report(members: list["Member"], stall: dict) -> dict:
+    """What a SIGSTOPped peer cost its region: the longest time between two consecutive rounds of
+    its region mates while it was stopped, against their median time between rounds outside the
+    stall; and whether it averaged again after SIGCONT (and how soon)."""
+    if not stall or "end" not in stall:
+        return {}
+    start, end = stall["start"], stall["end"]
+    during, outside = [], []
+    for m in members:
+        if m.region != stall["region"] or m.label == stall["label"]:
+            continue
+        times = sorted(e["time"] for e in _events(m.dir / "events.jsonl") if e.get("event") == "round")
+        for a, b in zip(times, times[1:]):
+            (during if b > start and a < end else outside).append(b - a)
+    stalled = next(m for m in members if m.label == stall["label"])
+    after = sorted(e["time"] for e in _events(stalled.dir / "events.jsonl")
+                   if e.get("event") == "round" and e.get("outcome") == "averaged" and e["time"] > end)
+    outside.sort()
+    return dict(label=stall["label"], seconds=round(end - start, 1),
+                longest_gap_of_region_mates_during=round(max(during), 1) if during else None,
+                median_gap_of_region_mates_outside=round(outside[len(outside) // 2], 1) if outside else None,
+                averaged_again_after_s=round(after[0] - end, 1) if after else None)
+
+
 def run(args, *, churn: bool, tmp: Path) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     run_id = "churn" if churn else "calm"
@@ -147,19 +173,32 @@ def run(args, *, churn: bool, tmp: Path) -> dict:
         for m in members:
             m.start()
         next_kill = t0 + args.kill_every
+        stall_at = t0 + args.minutes * 60 / 2 + args.kill_every / 4  # mid-run, between two kills
+        stalled, stall = None, {}
         while time.monotonic() - t0 < args.minutes * 60:
             time.sleep(1.0)
+            if args.stall > 0 and stalled is None and not stall and time.monotonic() >= stall_at:
+                stalled = rng.choice(members)
+                os.killpg(stalled.proc.pid, signal.SIGSTOP)
+                stall = dict(label=stalled.label, region=stalled.region, start=time.time())
+            if stalled is not None and time.time() >= stall["start"] + args.stall:
+                os.killpg(stalled.proc.pid, signal.SIGCONT)
+                stall["end"], stalled = time.time(), None
             for m in members:  # a peer that exited on its own (an error) is restarted too, and counted
                 if m.proc.poll() is not None:
                     m.kills.append(dict(time=time.time(), exited=m.proc.returncode, last_checkpoint=None))
                     m.start()
             if churn and time.monotonic() >= next_kill:
-                victims = rng.sample(members, max(1, round(args.fraction * len(members))))
+                victims = rng.sample([m for m in members if m is not stalled],
+                                     max(1, round(args.fraction * len(members))))
                 for m in victims:
                     m.kill()
                 for m in victims:
                     m.start()
                 next_kill += args.kill_every
+        if stalled is not None:
+            os.killpg(stalled.proc.pid, signal.SIGCONT)
+            stall["end"] = time.time()
         for m in members:  # all at once: a swarm stopping together
             m.terminate()
         deadline = time.monotonic() + args.stop_grace
@@ -176,7 +215,7 @@ def run(args, *, churn: bool, tmp: Path) -> dict:
     attempts = sum(r["averaged"] + r["failed"] for r in reports)
     restarts = [x for r in reports for x in r["restarts"]]
     losses = [r["valid_loss"] for r in reports if isinstance(r["valid_loss"], (int, float)) and math.isfinite(r["valid_loss"])]
-    return dict(churn=churn, minutes=round(minutes, 2), peers=len(members), kills=sum(r["kills"] for r in reports),
+    return dict(churn=churn, minutes=round(minutes, 2), stall=stall_report(members, stall), peers=len(members), kills=sum(r["kills"] for r in reports),
                 stopped_cleanly=clean,
                 averaged_per_minute=round(averaged / minutes, 2),
                 averaged_share=round(averaged / attempts, 3) if attempts else None,
@@ -195,6 +234,8 @@ def main(argv=None) -> int:
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-grace", type=float, default=90.0, help="seconds the peers get to stop on SIGTERM")
+    p.add_argument("--stall", type=float, default=45.0,
+                   help="mid-run, SIGSTOP one random peer for this many seconds, then SIGCONT (0: no stall)")
     p.add_argument("--baseline", action="store_true", help="also run the same swarm as long without churn")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "churn.json")
     args = p.parse_args(argv)
@@ -214,6 +255,13 @@ def main(argv=None) -> int:
               f"{r['averaged_per_minute']} | {r['averaged_share']} | {r['resumed_from_checkpoint']}/{r['restarts']} | "
               f"{r['steps_lost_beyond_last_checkpoint']} | {r['stopped_cleanly']}/{r['peers']} | "
               f"{loss} ({r['peers_reporting']}) |")
+    for r in results:
+        st = r.get("stall") or {}
+        if st:
+            print(f"\n{'churn' if r['churn'] else 'no churn'}: {st['label']} SIGSTOPped for {st['seconds']} s: its "
+                  f"region mates' longest time between rounds meanwhile {st['longest_gap_of_region_mates_during']} s "
+                  f"(median outside the stall {st['median_gap_of_region_mates_outside']} s); it averaged again "
+                  f"{st['averaged_again_after_s']} s after SIGCONT")
     return 0
 
 

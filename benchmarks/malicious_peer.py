@@ -4,9 +4,11 @@ a modified copy of the program would:
     python benchmarks/malicious_peer.py ATTACK [worldlm-peer flags...]
 
 ATTACK: ``scale`` (its payload x1000), ``flip`` (sign-flipped), ``random`` (a random model with a
-claimed weight of 1e9), ``nan`` (NaN in every tensor). Everything else (joining, records, training,
-the all-reduce protocol) is the real peer's."""
+claimed weight of 1e9), ``nan`` (NaN in every tensor); ``world-random``: an honest member, but as
+its region's leader it serves a world change of random tensors (and adopts it itself). Everything
+else (joining, records, training, the all-reduce protocol) is the real peer's."""
 
+import dataclasses
 import sys
 
 import torch
@@ -32,6 +34,23 @@ def main() -> None:
             return [t.clone().view(-1).index_fill_(0, torch.tensor([0]), float("nan")).view(t.shape) for t in out]
         raise SystemExit(f"unknown attack {attack!r}")
 
+    if attack == "world-random":
+        from worldlm_p2p.peer import world
+
+        honest_collect = world.WorldRounds.collect
+
+        def collect(self):
+            done = self._finished
+            if done is not None:
+                self._finished = dataclasses.replace(
+                    done, delta=[torch.randn(d.shape, generator=g) for d in done.delta])
+            return honest_collect(self)
+
+        world.WorldRounds.collect = collect
+        world.WorldRounds._refutes = lambda self, change, params: False
+        print("MALICIOUS", attack, flush=True)
+        peer.main(argv)
+        return
     rounds.region_payload = payload
     if attack == "random":
         aggregation.round_weight = lambda tokens: 1e9

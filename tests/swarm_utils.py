@@ -236,6 +236,26 @@ def process_group(pgid: int) -> list[str]:
     return [f"{r[1]} {r[3]}" for r in rows if len(r) == 4 and r[0] == str(pgid) and not r[2].startswith("Z")]
 
 
+def descendants(pid: int) -> dict[int, str]:
+    """Every live process below ``pid`` (children, their children, ...: hivemind's DHT and averager
+    and the p2p daemon, which runs in a session of its own), as {pid: command}."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,stat=,comm="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 3) for line in out.splitlines()]
+    live = {int(r[0]): (int(r[1]), r[3]) for r in rows if len(r) == 4 and not r[2].startswith("Z")}
+    found, frontier = {}, {pid}
+    while frontier:
+        frontier = {p for p, (ppid, _) in live.items() if ppid in frontier and p not in found}
+        found.update({p: live[p][1] for p in frontier})
+    return found
+
+
+def alive(pids) -> list[int]:
+    """Those of ``pids`` that are still live processes (not zombies)."""
+    out = subprocess.run(["ps", "-eo", "pid=,stat="], capture_output=True, text=True).stdout
+    live = {int(r[0]) for r in (line.split() for line in out.splitlines()) if len(r) == 2 and not r[1].startswith("Z")}
+    return sorted(set(pids) & live)
+
+
 def world_traces(tmp, label: str, *, leader: bool) -> dict[int, dict]:
     """A peer's world-round traces by world round: as the leader that ran it, or as a member adopting it."""
     out = {}

@@ -28,6 +28,7 @@ towards the regions nearest to it (``"attention"``, :func:`worldlm_p2p.residual.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -433,3 +434,27 @@ def world_round(rule: RoundRule, regions: Mapping[str, Sequence[torch.Tensor]],
         weights_out[r] = {g: [round(float(x), 6) for x in a] for g, a in w.items()}
         fetched_out[r] = need
     return WorldRoundResult(models=models, world=averaged, weights=weights_out, fetched=fetched_out)
+
+
+# A world change a member's evidence refutes (see :func:`world_change_refuted`)
+WORLD_CHANGE_MAX_UNDO = 0.5
+WORLD_CHANGE_SLACK = 0.02
+
+
+def world_change_refuted(*, before: float, after: float, vocab_size: int, max_undo: float = WORLD_CHANGE_MAX_UNDO,
+                         slack: float = WORLD_CHANGE_SLACK) -> bool:
+    """Whether a member's tune slice refutes a world round's change of its region's agreed model:
+    ``before``/``after``, the slice's loss (nats/token) of the agreed model without and with the
+    change. Refuted: a non-finite ``after``, or one that undoes more than ``max_undo`` of what the
+    region's model has learnt over a model that knows nothing (the uniform next-token distribution,
+    ``log(vocab_size)`` nats, about a random initialisation's loss), plus ``slack`` of ``before``
+    for evaluation noise. A change made by averaging with other regions' trained models never comes
+    near that; a leader (or a leaders' group) that serves random tensors, a sign-flipped model or
+    a scaled one does. Without a finite ``before`` nothing is refuted (no evidence)."""
+    if not math.isfinite(after):
+        return True
+    if not math.isfinite(before):
+        return False
+    learnt = max(math.log(vocab_size) - before, 0.0)
+    return after > before + max_undo * learnt + slack * abs(before)
+

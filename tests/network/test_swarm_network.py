@@ -14,7 +14,7 @@ import signal
 import pytest
 import torch
 
-from swarm_utils import (ProgressReader, group_of, log_tail, max_abs_diff, process_group, round_error,
+from swarm_utils import (ProgressReader, alive, descendants, group_of, log_tail, max_abs_diff, process_group, round_error,
                          start_bootstrap, start_peer, summary, trace, traces, wait_for)
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]  # several peer processes each
@@ -99,6 +99,8 @@ def test_late_joiner_loads_region_model_and_killed_peer_does_not_stall(procs, tm
     try:
         wait_for(lambda: (reader.by_label().get("b") or None) and reader.by_label()["b"].waiting_for_round >= 0,
                  120, "b to enter a round", poll=0.05)
+        below_b = descendants(b.pid)
+        assert any("p2pd" in c for c in below_b.values()), below_b
         os.kill(b.pid, signal.SIGKILL)  # a crash of the peer's main process only
         killed_at_rounds = len([t for t in traces(tmp_path, "a").values() if t["ok"]])
         steps_at_kill = reader.by_label()["a"].step
@@ -121,6 +123,7 @@ def test_late_joiner_loads_region_model_and_killed_peer_does_not_stall(procs, tm
              "two rounds of a with the new joiner d, completed by d too")
     # the killed peer's hivemind processes (DHT, averager, p2p daemon) died with it
     assert not process_group(b.pid), process_group(b.pid)
+    wait_for(lambda: not alive(below_b), 30, f"b's processes {below_b} to die with it")
     assert len([t for t in traces(tmp_path, "a").values() if t["ok"]]) >= killed_at_rounds + 2
     for p in (a, c, d):
         p.send_signal(signal.SIGTERM)

@@ -314,3 +314,22 @@ def test_a_newcomer_claiming_an_old_lease_is_aged_from_when_it_was_first_seen(sw
     late, _ = swarm.lease("late", since=swarm.clock.t)
     late.renew()
     assert late.leader().peer_id == "mallory"
+
+
+def test_a_refused_leader_is_counted_no_more_by_the_peer_that_refused_it(swarm):
+    """A member that refused a leader's world change stops counting that leader's candidacy at once
+    and at every later refresh: the next candidate leads, as it sees the region; others are not
+    affected, and a peer cannot refuse itself."""
+    t = swarm.clock.t
+    m, _ = swarm.lease("mallory", since=t - 9.0)
+    a, _ = swarm.lease("a", since=t - 5.0)
+    b, _ = swarm.lease("b", since=t - 3.0)
+    for lease in (m, a, b, a, b):
+        lease.renew()
+    assert a.leader().peer_id == b.leader().peer_id == "mallory"
+    a.refuse("mallory")
+    assert a.leader().peer_id == "a" and a.is_leader()  # at once, before a refresh
+    a.renew(), b.renew()
+    assert a.leader().peer_id == "a" and b.leader().peer_id == "mallory"
+    a.refuse("a")
+    assert a.is_leader()

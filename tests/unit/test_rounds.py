@@ -544,3 +544,24 @@ def test_a_scaled_member_moves_the_default_round_boundedly_and_the_mean_round_wi
     mean_rule = RoundRule.of(SPLIT, strategy="fedavg", robust="mean")
     (bad, *_), _, _ = region_round_with_anchor(mean_rule, attacked, weights, anchor=anchor, momentum=None)
     assert max(float((b - h).abs().max()) for b, h in zip(bad, honest)) > 10
+
+
+def test_a_world_change_is_refuted_when_it_undoes_half_of_what_the_region_learnt():
+    """Hand values with vocab 259 (log 259 = 5.5568): a region model at loss 2.5 has learnt 3.0568
+    nats over a model that knows nothing; the limit is 2.5 + 0.5 * 3.0568 + 0.02 * 2.5 = 4.0784."""
+    import math
+
+    from worldlm_p2p.rounds import world_change_refuted
+
+    limit = 2.5 + 0.5 * (math.log(259) - 2.5) + 0.02 * 2.5
+    assert abs(limit - 4.0784) < 1e-4
+    assert not world_change_refuted(before=2.5, after=limit - 1e-6, vocab_size=259)
+    assert world_change_refuted(before=2.5, after=limit + 1e-6, vocab_size=259)
+    assert not world_change_refuted(before=2.5, after=2.2, vocab_size=259)  # a change that helps
+    assert world_change_refuted(before=2.5, after=295.0, vocab_size=259)  # random tensors (issue 12's table)
+    assert world_change_refuted(before=2.5, after=float("nan"), vocab_size=259)
+    assert world_change_refuted(before=2.5, after=float("inf"), vocab_size=259)
+    assert not world_change_refuted(before=float("nan"), after=9.0, vocab_size=259)  # no evidence
+    # a region that has learnt nothing yet still refuses what is worse than knowing nothing, by 2%
+    assert not world_change_refuted(before=6.0, after=6.1, vocab_size=259)
+    assert world_change_refuted(before=6.0, after=6.13, vocab_size=259)

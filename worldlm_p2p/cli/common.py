@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NoReturn, Sequence
@@ -61,11 +62,32 @@ def _set_parent_death_signal() -> None:
         pass
 
 
+def _child_after_fork() -> None:
+    """In a process this CLI forks (hivemind's DHT and averager): ignore the stop signals and die,
+    by SIGKILL, with the parent.
+
+    A stop signal sent to the whole process group (Ctrl-C in a terminal, systemd's SIGTERM to a
+    unit) used to kill these children before the parent could use them: the parent then waited
+    on an averager that was gone, never finishing its round, its checkpoint or its summary. Now the
+    parent alone decides: it shuts its children down in order, and if it dies they die with it."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def reap_children_on_death() -> None:
     """hivemind runs the DHT and the averager in forked processes (which start the p2p daemon).
     Make every process this CLI forks die with it, even if it is killed with SIGKILL, so that a
-    crashed or killed peer never leaves orphans behind."""
-    os.register_at_fork(after_in_child=_set_parent_death_signal)
+    crashed or killed peer never leaves orphans behind, and leave stopping them to it."""
+    os.register_at_fork(after_in_child=_child_after_fork)
+    from worldlm_p2p.net.hivemind_compat import detach_p2p_daemon_from_process_group
+
+    detach_p2p_daemon_from_process_group()
 
 
 def die_with_parent_if_asked() -> None:
@@ -80,6 +102,23 @@ def die_with_parent_if_asked() -> None:
         sys.exit(143)
 
 
+def reap_children(grace: float = 5.0) -> None:
+    """Join the processes this CLI forked; kill those still there after ``grace`` seconds.
+
+    They ignore stop signals (see :func:`_child_after_fork`), so a hivemind shutdown that could
+    not finish (its p2p daemon gone) would otherwise hold the exit, where multiprocessing joins
+    them."""
+    import multiprocessing
+
+    deadline = time.monotonic() + grace
+    for child in multiprocessing.active_children():
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive():
+            logger.debug("killing %s (pid %s): it did not stop in %.0fs", child.name, child.pid, grace)
+            child.kill()
+            child.join(1.0)
+
+
 def run_main(prog: str, body: Callable[[], int | None]) -> NoReturn:
     """Run a CLI body; user errors become one line on stderr and exit code 2."""
     die_with_parent_if_asked()
@@ -87,14 +126,17 @@ def run_main(prog: str, body: Callable[[], int | None]) -> NoReturn:
     try:
         code = body() or 0
     except WorldLMError as e:
+        reap_children()
         fail(prog, str(e), e.exit_code)
     except KeyboardInterrupt:
         code = 130
     except Exception as e:  # a bug, not bad input: still one line unless debugging
+        reap_children()
         if os.environ.get("WORLDLM_LOGLEVEL", "").upper() == "DEBUG":
             raise
         fail(prog, f"internal error: {type(e).__name__}: {' '.join(str(e).split())[:300]} "
                    "(rerun with WORLDLM_LOGLEVEL=DEBUG for details)", 1)
+    reap_children()
     sys.stdout.flush()
     sys.exit(code)
 

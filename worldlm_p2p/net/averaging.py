@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -54,12 +54,17 @@ class RoundResult:
 
 class RegionAverager(DecentralizedAverager):
     """A ``DecentralizedAverager`` that averages a peer's model inside its region and shares the
-    region's last agreed model with late joiners."""
+    region's last agreed model with late joiners. ``should_stop``: the owner is stopping (a round
+    in flight then gets ``STOP_GRACE`` seconds to end)."""
+
+    STOP_GRACE = 3.0
 
     def __init__(self, *, tensors: Sequence[torch.Tensor], dht, run_id: str, region: str,
                  averaging: AveragingConfig, fingerprint: str, robust: RobustSettings = RobustSettings(),
-                 clipped_above: float = 0.5, start: bool = True) -> None:
+                 clipped_above: float = 0.5, should_stop: Callable[[], bool] = lambda: False,
+                 start: bool = True) -> None:
         self._robust, self._clipped_above = robust, float(clipped_above)
+        self.should_stop: Callable[[], bool] = should_stop
         self._shared_lock = threading.Lock()
         self._shared_tensors: list[torch.Tensor] = [t.detach().clone() for t in tensors]
         self._shared_meta: dict[str, Any] = dict(round=0, fingerprint=fingerprint)
@@ -246,12 +251,18 @@ class RegionAverager(DecentralizedAverager):
         with self.get_tensors() as buffers:
             for buf, t in zip(buffers, tensors):
                 buf.copy_(t.detach().to(buf.device, buf.dtype))
-        try:
-            result = self.step(weight=float(weight), gather=gather, timeout=self._timeout, allow_retries=True)
-        except Exception as e:  # AllreduceException, TimeoutError, MatchmakingException ...
-            msg = " ".join(str(e).split())[:200] or type(e).__name__
-            return RoundResult(ok=False, group_size=0, gathered={}, averaged=None, error=msg,
+        def failed(error: str) -> RoundResult:
+            return RoundResult(ok=False, group_size=0, gathered={}, averaged=None, error=error,
                                seconds=time.monotonic() - t0, report=self.take_report())
+
+        if not self.is_alive():  # (hivemind's step would wait for it forever)
+            return failed("the averager process is gone")
+        try:
+            control = self.step(weight=float(weight), gather=gather, timeout=self._timeout, allow_retries=True,
+                                wait=False)
+            result = self._await_step(control, started=t0)
+        except Exception as e:  # AllreduceException, TimeoutError, MatchmakingException ...
+            return failed(" ".join(str(e).split())[:200] or type(e).__name__)
         if not result:
             return RoundResult(ok=False, group_size=0, gathered={}, averaged=None, error="no group",
                                seconds=time.monotonic() - t0, report=self.take_report())
@@ -260,6 +271,27 @@ class RegionAverager(DecentralizedAverager):
         gathered = {str(pid): meta for pid, meta in result.items()}
         return RoundResult(ok=True, group_size=len(gathered), gathered=gathered, averaged=averaged,
                            seconds=time.monotonic() - t0, report=self.take_report())
+
+    def _await_step(self, control, *, started: float):
+        """The step's result, waiting in short slices: a round ends within hivemind's bounds (finding
+        a group, then the all-reduce), but not if the averager process died meanwhile; and once
+        this peer is stopping, a round in flight gets ``STOP_GRACE`` seconds more, not the whole
+        timeout."""
+        deadline = started + 2 * self._timeout + 10.0
+        while True:
+            try:
+                return control.result(timeout=0.25)
+            except TimeoutError:  # (concurrent.futures.TimeoutError is TimeoutError)
+                if control.done():
+                    raise
+            now = time.monotonic()
+            if self.should_stop():
+                deadline = min(deadline, now + self.STOP_GRACE)
+            if not self.is_alive():
+                raise RuntimeError("the averager process is gone")
+            if now > deadline:
+                control.cancel()
+                raise TimeoutError("the round did not end in time" + (" (stopping)" if self.should_stop() else ""))
 
     def download_state_from(self, peer_id: str, *, timeout: float) -> tuple[Any, list[torch.Tensor]] | None:
         """Download the state that one chosen peer of this averager's prefix serves (hivemind's

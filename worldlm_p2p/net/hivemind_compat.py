@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,38 @@ def rsa_public_der(public_key: Any) -> bytes:
                                                format=serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
+def _die_by_sigkill_with_parent() -> None:  # runs in the forked child, before exec
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+
+
+def detach_p2p_daemon_from_process_group() -> None:
+    """Start hivemind's p2p daemon in a session of its own, killed by the kernel when the process
+    that started it (the DHT's) dies.
+
+    A stop signal sent to a peer's whole process group (systemd's SIGTERM, Ctrl-C in a terminal)
+    otherwise reaches the Go daemon too, which exits at once: the DHT and the averager then
+    lose their transport before the peer has withdrawn its lease, published its last record or
+    shut them down. Process-wide; for the CLIs. Linux (prctl); elsewhere the daemon keeps hivemind's
+    defaults."""
+    import asyncio.subprocess as aio_subprocess
+    import sys
+
+    if not sys.platform.startswith("linux") or getattr(aio_subprocess.create_subprocess_exec, "_worldlm", False):
+        return
+    original = aio_subprocess.create_subprocess_exec
+
+    async def create_subprocess_exec(program, *args, **kwargs):
+        if os.path.basename(str(program)) == "p2pd":
+            kwargs.setdefault("start_new_session", True)
+            kwargs.setdefault("preexec_fn", _die_by_sigkill_with_parent)
+        return await original(program, *args, **kwargs)
+
+    create_subprocess_exec._worldlm = True
+    aio_subprocess.create_subprocess_exec = create_subprocess_exec
+
+
 def check() -> list[str]:
     """What does not hold in the installed hivemind (empty: every seam is where we use it)."""
     from hivemind.averaging import DecentralizedAverager, matchmaking
@@ -156,6 +189,10 @@ def check() -> list[str]:
                    "def register_failed_reducer(self, peer_index: int)"):
         if needle not in container:
             problems.append(f"TensorPartContainer: {needle!r} is gone")
+    from hivemind.p2p import p2p_daemon
+
+    if "await asyncio.subprocess.create_subprocess_exec(" not in inspect.getsource(p2p_daemon.P2P.create):
+        problems.append("P2P.create no longer starts p2pd with asyncio.subprocess.create_subprocess_exec")
     if not hasattr(DecentralizedAverager, "get_stub") or not hasattr(DecentralizedAverager, "serializer"):
         problems.append("DecentralizedAverager lost get_stub or serializer")
     return problems

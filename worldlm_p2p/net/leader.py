@@ -100,6 +100,7 @@ class LeaderLease:
         self._maddrs = tuple(maddrs)
         self._world_round = int(world_round)
         self._admitted = admitted
+        self._refused: set[str] = set()  # candidacies this peer no longer counts (see refuse())
 
         self._publish_lock = threading.Lock()  # one publication at a time: a withdrawal is never overtaken
         self._state_lock = threading.Lock()
@@ -160,6 +161,15 @@ class LeaderLease:
             elif not value and self._eligible:
                 self._withdrawal_pending = True
             self._eligible = value
+
+    def refuse(self, peer_id: str) -> None:
+        """Count ``peer_id``'s candidacy no more (a leader that served a world change this peer's
+        evidence refuted): from the next refresh the region's next candidate leads, as this peer sees
+        it. This peer's own candidacy cannot be refused."""
+        if peer_id != self.peer_id:
+            self._refused.add(str(peer_id))
+            with self._state_lock:
+                self._others = tuple(r for r in self._others if r.peer_id not in self._refused)
 
     def withdraw(self) -> bool:
         """Stop being a candidate now: publish a record that has already expired, so the region
@@ -234,7 +244,7 @@ class LeaderLease:
         else:
             admitted = self._admitted()
             now = get_dht_time()
-            others = [self._aged(r, now) for r in fetched if r.peer_id != self.peer_id and (
+            others = [self._aged(r, now) for r in fetched if r.peer_id != self.peer_id and r.peer_id not in self._refused and (
                 admitted is None or r.region != self.region or (r.peer_id in admitted and r.signer == r.peer_id))]
             with self._state_lock:
                 self._others = tuple(others)

@@ -100,6 +100,7 @@ class WorldExchange:
                 self.averager.set_target_group_size(max(2, expected_leaders()))
             except Exception as e:
                 logger.debug("could not set the leaders' target group size: %s", e)
+            self.averager.should_stop = should_stop
             result = self.averager.run_round(payload, weight=max(float(tokens), 1e-3),
                                              gather=dict(region=self.region, world_round=int(world_round),
                                                          tokens=float(tokens)))

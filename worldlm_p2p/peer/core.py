@@ -95,7 +95,8 @@ class Peer:
                                                               max_weight=max_round_weight(
                                                                   inner_steps=m.train.inner_steps,
                                                                   batch_size=m.train.batch_size,
-                                                                  seq_len=m.train.seq_len)))
+                                                                  seq_len=m.train.seq_len)),
+                                        should_stop=self._stop.is_set)
         self._averager.set_admitted(progress.admitted)  # an admitting region: nobody until their records are read
         self._server = StateServer(averager=self._averager, state=self._state, stats=self.stats, rule=self.rule,
                                    fingerprint=m.fingerprint())

@@ -11,6 +11,7 @@ region's state (:class:`~worldlm_p2p.peer.state.RegionState`) has one writer.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ class WorldRounds:
         self._exchange = None  # a WorldExchange, created when this peer first leads a world round
         self._thread: threading.Thread | None = None
         self._finished: _Finished | None = None  # set by the world-round thread, taken by collect()
+        self._refuted: set[tuple[str, int]] = set()  # (source, world round) of changes this peer refused
         m = manifest
         self.lease = LeaderLease(dht=dht, validators=validators, run_id=m.run_id, region=config.region,
                                  peer_id=peer_id, fingerprint=m.fingerprint(), ttl=m.averaging.leader_ttl,
@@ -205,7 +207,11 @@ class WorldRounds:
             known = self._download(leader) or known
         if known is None or known.world_round <= s.world_round or s.round < known.apply_round:
             return
+        if (known.source, known.world_round) in self._refuted:
+            return
         params = self.member.params()
+        if self._refutes(known, params):
+            return
         adopted, mix = self.member.mix_safely(lambda: rounds.member_world_mix(
             self.rule, own=params, change=known.delta, loss_of=self.member.loss_of()), own=params)
         self.member.set(adopted)
@@ -224,6 +230,36 @@ class WorldRounds:
         self.events.emit("world_adopted", world_round=known.world_round, round=s.round,
                          lam=mix.lam if mix is not None else None)
         logger.info("adopted world round %d at region round %d", known.world_round, s.round)
+
+    def _refutes(self, change: WorldChange, params: list[torch.Tensor]) -> bool:
+        """Test the change on this peer's tune slice, applied to the region's agreed model (which
+        would take it whole): refuse it, and its leader's lease, if the evidence refutes it
+        (:func:`worldlm_p2p.rounds.world_change_refuted`). The model is left as ``params``."""
+        trainer = self.member.trainer
+        if trainer.data.tune.numel() < 2 or self.state.anchor is None:
+            return False  # no evidence: the change is taken (as the whole design does without a slice)
+        try:
+            before = trainer.tune_loss(self.state.anchor)
+            after = trainer.tune_loss([a + d.to(a.dtype) for a, d in zip(self.state.anchor, change.delta)])
+        except Exception as e:  # out of memory, a shape the model does not have: refuse, do not stop
+            before, after = float("nan"), float("inf")
+            logger.debug("evaluating world round %d: %s: %s", change.world_round, type(e).__name__, e)
+        finally:
+            self.member.set(params)
+        vocab = int(self.member.model.config.vocab_size)
+        if not rounds.world_change_refuted(before=before, after=after, vocab_size=vocab):
+            return False
+        self._refuted.add((change.source, change.world_round))
+        logger.warning("refused world round %d from %s: on this peer's tune slice it takes the region's model from "
+                       "loss %.4f to %.4f (a model that knows nothing: %.4f); no longer counting its lease",
+                       change.world_round, change.source, before, after, math.log(vocab))
+        self.events.emit("world_refused", world_round=change.world_round, source=change.source,
+                         before=before, after=after)
+        if change.source != self.peer_id:
+            self.lease.refuse(change.source)
+        if self.state.change is change:
+            self.state.change = None
+        return True
 
     def _download(self, leader) -> WorldChange | None:
         served = self.server.download_from(leader.peer_id, timeout=self.manifest.averaging.averaging_timeout)
