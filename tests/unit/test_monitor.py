@@ -130,3 +130,21 @@ def test_monitor_bad_input_is_one_line(capsys):
         assert e.value.code == 2, args
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("worldlm-monitor: error:"), lines
+
+
+def test_a_record_that_copies_another_peers_id_and_label_is_not_shown():
+    """Issue 12's row: a record that copied another peer's id and label made the monitor show the
+    forged step, loss and status. Only records signed by the key of the peer id they claim count."""
+    from worldlm_p2p.net.monitor import own_records
+
+    honest = _rec("eu-a", "eu", step=20, loss=2.0, t=99.0).signed_by("Qmeu-a")
+    forged = _rec("eu-a", "eu", step=10 ** 9, loss=0.01, t=99.9, finished=True).signed_by("Qmmallory")
+    unsigned = _rec("eu-b", "eu", step=5).signed_by(None)
+    lease = _lease("Qmeu-a", "eu", 1.0, 99.0).signed_by("Qmeu-a")
+    forged_lease = _lease("Qmeu-a", "eu", 0.0, 99.0).signed_by("Qmmallory")
+    assert own_records([honest, forged, unsigned]) == [honest]
+    assert own_records([lease, forged_lease]) == [lease]
+    snap = build_snapshot(own_records([honest, forged, unsigned]), own_records([lease, forged_lease]), run_id="r",
+                          now=100.0, dht_now=60.0)
+    (a,) = snap["regions"]["eu"]["peers"]
+    assert (a["step"], a["train_loss"], a["status"] != "finished") == (20, 2.0, True)

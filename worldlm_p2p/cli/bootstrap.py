@@ -29,6 +29,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--run-key", metavar="FILE",
                    help="the run key that signs the manifest (created with mode 0600 if missing; every bootstrap "
                         "node of a run uses the same one); default: the --identity, or a key made for this process")
+    p.add_argument("--remember-peers", metavar="FILE",
+                   help="where the node remembers the peers it is connected to, to rejoin them when restarted "
+                        "(default with --identity: IDENTITY.peers.json; 'none': do not remember)")
     return p
 
 
@@ -58,13 +61,18 @@ def main(argv: list[str] | None = None) -> None:
         setup_logging("ERROR")  # the multiaddrs must be the first output
         if args.run_key and Path(args.run_key).is_dir():
             raise ConfigError(f"--run-key {args.run_key} is a directory, expected a key file")
+        peers_path = args.remember_peers or (f"{args.identity}.peers.json" if args.identity else None)
         node = BootstrapNode(config=BootstrapConfig(net=net, manifest=manifest, manifest_ttl=args.manifest_ttl,
-                                                    run_key_path=args.run_key))
+                                                    run_key_path=args.run_key,
+                                                    peers_path=None if peers_path == "none" else peers_path))
         install_stop_handlers(node.stop)
         try:
             maddrs = node.start()
             print("To join this swarm: worldlm-peer --region REGION --initial-peers " + " ".join(maddrs), flush=True)
             setup_logging()
+            if node.rejoining is not None and node.rejoining[1]:
+                logger.info("rejoining the swarm: %d of the %d peers remembered in %s answer", *node.rejoining,
+                            node.config.peers_path)
             if args.identity and not identity_existed:
                 logger.info("created identity %s (mode 0600): keep it private and back it up", args.identity)
             if manifest is not None:

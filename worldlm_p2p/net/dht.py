@@ -68,6 +68,8 @@ def check_listen_addrs(values: Iterable[str], *, what: str) -> None:
         port = int(values_of[kind])  # (port 0 binds any free port: that still checks the address)
         family = socket.AF_INET6 if "ip6" in values_of else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM if kind == "tcp" else socket.SOCK_DGRAM)
+        if kind == "tcp":  # a restarted node's old connections in TIME_WAIT do not count; a listener does
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as e:

@@ -64,6 +64,12 @@ logger = logging.getLogger(__name__)
 __all__ = ["build_snapshot", "short_id", "SwarmMonitor"]
 
 
+def own_records(found: Sequence) -> list:
+    """The records signed in the DHT by the key of the peer id they claim: one signed by another key
+    speaks for someone else (a copy of another peer's id and label, with a forged step and loss)."""
+    return [r for r in found if r.signer is not None and r.signer == r.peer_id]
+
+
 def short_id(peer_id: str, n: int = 6) -> str:
     """The last ``n`` characters of a peer id (its first ones are a common multihash prefix)."""
     return peer_id if len(peer_id) <= n else "…" + peer_id[-n:]
@@ -170,9 +176,8 @@ class SwarmMonitor(RunReader):
 
     def snapshot(self) -> dict[str, Any]:
         """Read the run's records now and build a snapshot."""
-        # a record signed by another key than that of the peer id it claims speaks for someone else
-        progress = [r for r in self.progress() if r.signer == r.peer_id]
-        leases = [r for r in self.leases() if r.signer == r.peer_id] if progress else []
+        progress = own_records(self.progress())
+        leases = own_records(self.leases()) if progress else []
         return build_snapshot(progress, leases, run_id=self.run_id, now=time.time(), dht_now=get_dht_time(),
                               manifest=self.manifest)
 
