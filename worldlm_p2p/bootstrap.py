@@ -156,6 +156,12 @@ class BootstrapNode:
                     net = dataclasses.replace(net, initial_peers=tuple(net.initial_peers) + tuple(known))
             self._dht = start_dht(net, record_validators=self._validators, require_initial_peers=False)
         self.run_key = ensure_identity(cfg.run_key_path) if cfg.run_key_path else key
+        try:  # peers ask the bootstrap nodes they join through whether they can be dialled back
+            from worldlm_p2p.net.reachability import serve_dialback
+
+            self._dht.run_coroutine(serve_dialback)
+        except Exception as e:
+            logger.warning("could not serve dial-back requests (peers will not learn their reachability): %s", e)
         if cfg.manifest is not None:
             from hivemind.utils.timed_storage import get_dht_time
 

@@ -193,6 +193,10 @@ def check() -> list[str]:
 
     if "await asyncio.subprocess.create_subprocess_exec(" not in inspect.getsource(p2p_daemon.P2P.create):
         problems.append("P2P.create no longer starts p2pd with asyncio.subprocess.create_subprocess_exec")
+    from hivemind.p2p.p2p_daemon_bindings.p2pclient import Client as P2PClient
+
+    if "no_listen" not in inspect.signature(p2p_daemon.P2P.create).parameters or not hasattr(P2PClient, "connect"):
+        problems.append("P2P.create lost no_listen, or the daemon client its connect (the reachability probe)")
     if not hasattr(DecentralizedAverager, "get_stub") or not hasattr(DecentralizedAverager, "serializer"):
         problems.append("DecentralizedAverager lost get_stub or serializer")
     return problems

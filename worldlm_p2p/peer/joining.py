@@ -86,12 +86,34 @@ def connect(config: PeerConfig, *, stopping: Callable[[], bool]) -> Network:
     logger.info("joined run %s (manifest %s, run key %s) as %s in region %s%s", manifest.run_id,
                 manifest.fingerprint(), records.run_key_id(record.run_key), dht.peer_id, config.region,
                 " (admitted)" if certificate else "")
+    own: list[str] = []
     try:
-        logger.info("others can join through this peer: --initial-peers %s", " ".join(visible_maddrs(dht)))
+        own = visible_maddrs(dht)
+        logger.info("others can join through this peer: --initial-peers %s", " ".join(own))
     except Exception as e:  # the daemon may not say yet
         logger.debug("could not read this peer's addresses: %s", e)
+    check_reachability(dht, config, own)
     return Network(dht=dht, validators=validators, manifest=manifest, peer_id=str(dht.peer_id), admission=admission,
                    certificate=certificate, manifest_record=record)
+
+
+def check_reachability(dht, config: PeerConfig, own: list[str]):
+    """Serve dial-back requests, then ask this peer's bootstrap nodes to dial it back, and log one
+    line: directly reachable (where), or not, and what to do (:mod:`worldlm_p2p.net.reachability`)."""
+    from worldlm_p2p.net import reachability
+
+    try:
+        dht.run_coroutine(reachability.serve_dialback)
+    except Exception as e:
+        logger.debug("could not serve dial-back requests: %s: %s", type(e).__name__, e)
+    asked = list(dict.fromkeys(initial_peer_ids(config.net.initial_peers)))[:3]
+    if not asked:
+        return None
+    announced = list(config.net.announce_maddrs)
+    result = reachability.check(dht, asked, announced + own, timeout=15.0)
+    line = reachability.advice(result, announce_given=bool(announced))
+    (logger.info if result.status == "direct" else logger.warning)("%s", line)
+    return result
 
 
 def check_own_certificate(config: PeerConfig, admission: RegionAdmission, *, peer_id: str, key) -> dict | None:
