@@ -61,6 +61,38 @@ def _stop(proc: subprocess.Popen) -> None:
     stop_process_group(proc, grace=5.0)
 
 
+def _start_bootstrap(procs: list[subprocess.Popen], tmp: Path) -> list[str]:
+    """Start a bootstrap node for ``tmp/run.toml`` (into ``procs``); return its multiaddrs."""
+    boot = subprocess.Popen([sys.executable, "-m", "worldlm_p2p.cli.bootstrap", "--run-config", str(tmp / "run.toml"),
+                             "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], stdout=subprocess.PIPE,
+                            stderr=open(tmp / "bootstrap.log", "wb"), env=_env(), start_new_session=True, cwd=REPO)
+    procs.append(boot)
+    return [t for t in boot.stdout.readline().decode().split() if "/p2p/" in t]
+
+
+def _finish(procs: list[subprocess.Popen], honest_procs: list[subprocess.Popen], tmp: Path,
+            subs: tuple[str, ...]) -> tuple[float, list[int], dict, float]:
+    """Wait for the honest members, stop every process, and read the honest members' summaries:
+    (seconds, exit codes, summaries, geometric-mean perplexity; NaN unless every one has a loss)."""
+    try:
+        t0 = time.monotonic()
+        codes = [p.wait(timeout=900) for p in honest_procs]
+        seconds = time.monotonic() - t0
+    finally:
+        for p in procs:
+            _stop(p)
+    summaries = {}
+    for sub, code in zip(subs, codes):
+        try:
+            summaries[sub] = json.loads((tmp / f"{sub}.json").read_text())
+        except (OSError, ValueError):
+            summaries[sub] = dict(exit_code=code)
+    losses = [s.get("valid_loss") for s in summaries.values()]
+    ok = [x for x in losses if isinstance(x, (int, float)) and math.isfinite(x)]
+    ppl = math.exp(sum(ok) / len(ok)) if ok and len(ok) == len(losses) else float("nan")
+    return seconds, codes, summaries, ppl
+
+
 def run_one(*, tmp: Path, honest: int, malicious: int, attack: str | None, robust: str, steps: int,
             inner_steps: int) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
@@ -70,12 +102,7 @@ def run_one(*, tmp: Path, honest: int, malicious: int, attack: str | None, robus
     procs: list[subprocess.Popen] = []
     members = honest + (malicious if attack else 0)
     try:
-        boot = subprocess.Popen([sys.executable, "-m", "worldlm_p2p.cli.bootstrap", "--run-config",
-                                 str(tmp / "run.toml"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-                                stdout=subprocess.PIPE, stderr=open(tmp / "bootstrap.log", "wb"), env=_env(),
-                                start_new_session=True, cwd=REPO)
-        procs.append(boot)
-        maddrs = [t for t in boot.stdout.readline().decode().split() if "/p2p/" in t]
+        maddrs = _start_bootstrap(procs, tmp)
         common = ["--initial-peers", *maddrs, "--max-steps", str(steps), "--threads", "1",
                   "--wait-for-peers", str(members)]
         honest_procs = []
@@ -91,26 +118,16 @@ def run_one(*, tmp: Path, honest: int, malicious: int, attack: str | None, robus
                     "--data", str(DEMO / ATTACKER_DATA[i]), "--label", f"mallory-{i}", *common]
             procs.append(subprocess.Popen(args, stdout=open(tmp / f"mallory-{i}.log", "wb"),
                                           stderr=subprocess.STDOUT, env=_env(), start_new_session=True, cwd=REPO))
-        t0 = time.monotonic()
-        codes = [p.wait(timeout=900) for p in honest_procs]
-        seconds = time.monotonic() - t0
-    finally:
+    except BaseException:
         for p in procs:
             _stop(p)
-    summaries = {}
-    for sub, code in zip(HONEST[:honest], codes):
-        try:
-            summaries[sub] = json.loads((tmp / f"{sub}.json").read_text())
-        except (OSError, ValueError):
-            summaries[sub] = dict(exit_code=code)
-    losses = [s.get("valid_loss") for s in summaries.values()]
-    ok = [x for x in losses if isinstance(x, (int, float)) and math.isfinite(x)]
+        raise
+    seconds, codes, summaries, ppl = _finish(procs, honest_procs, tmp, HONEST[:honest])
     logs = {sub: (tmp / f"{sub}.log").read_text(errors="replace") for sub in HONEST[:honest]}
     banned = sum(log.count("for the rest of the run") for log in logs.values())
     return dict(honest=honest, malicious=malicious if attack else 0, attack=attack or "none", robust=robust,
                 seconds=round(seconds, 1), exit_codes=codes,
-                valid_loss=sum(ok) / len(ok) if len(ok) == len(losses) else float("nan"),
-                ppl=math.exp(sum(ok) / len(ok)) if len(ok) == len(losses) else float("nan"),
+                valid_loss=math.log(ppl), ppl=ppl,
                 rounds=[s.get("rounds_completed") for s in summaries.values()],
                 bans=banned, bans_expected=honest * (malicious if attack else 0), summaries=summaries)
 
@@ -136,12 +153,7 @@ def run_leader(*, tmp: Path, malicious: bool, steps: int, inner_steps: int) -> d
     (tmp / "run.toml").write_text(fast_run(run_id=run_id, inner_steps=inner_steps, barrier_timeout=30.0))
     procs: list[subprocess.Popen] = []
     try:
-        boot = subprocess.Popen([sys.executable, "-m", "worldlm_p2p.cli.bootstrap", "--run-config",
-                                 str(tmp / "run.toml"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-                                stdout=subprocess.PIPE, stderr=open(tmp / "bootstrap.log", "wb"), env=_env(),
-                                start_new_session=True, cwd=REPO)
-        procs.append(boot)
-        maddrs = [t for t in boot.stdout.readline().decode().split() if "/p2p/" in t]
+        maddrs = _start_bootstrap(procs, tmp)
         common = ["--initial-peers", *maddrs, "--max-steps", str(steps), "--threads", "1"]
         first = ([sys.executable, str(REPO / "benchmarks" / "malicious_peer.py"), "world-random"] if malicious
                  else [sys.executable, "-m", "worldlm_p2p.cli.peer"])
@@ -161,25 +173,15 @@ def run_leader(*, tmp: Path, malicious: bool, steps: int, inner_steps: int) -> d
         procs.append(subprocess.Popen([sys.executable, "-m", "worldlm_p2p.cli.peer", "--region", "eu", "--data",
                                        str(EU), "--label", "eu", *common], stdout=open(tmp / "eu.log", "wb"),
                                       stderr=subprocess.STDOUT, env=_env(), start_new_session=True, cwd=REPO))
-        t0 = time.monotonic()
-        codes = [p.wait(timeout=900) for p in honest_procs]
-        seconds = time.monotonic() - t0
-    finally:
+    except BaseException:
         for p in procs:
             _stop(p)
-    summaries = {}
-    for sub, code in zip(HONEST[:2], codes):
-        try:
-            summaries[sub] = json.loads((tmp / f"{sub}.json").read_text())
-        except (OSError, ValueError):
-            summaries[sub] = dict(exit_code=code)
-    losses = [s.get("valid_loss") for s in summaries.values()]
-    ok = [x for x in losses if isinstance(x, (int, float)) and math.isfinite(x)]
+        raise
+    seconds, codes, summaries, ppl = _finish(procs, honest_procs, tmp, HONEST[:2])
     logs = [(tmp / f"{sub}.log").read_text(errors="replace") for sub in HONEST[:2]]
     return dict(leader="malicious (world-random)" if malicious else "honest", first_led=led,
                 seconds=round(seconds, 1), exit_codes=codes,
-                ppl=math.exp(sum(ok) / len(ok)) if ok and len(ok) == len(losses) else float("nan"),
-                rounds=[s.get("rounds_completed") for s in summaries.values()],
+                ppl=ppl, rounds=[s.get("rounds_completed") for s in summaries.values()],
                 world_adopted=[s.get("world_rounds_adopted") for s in summaries.values()],
                 refused=[log.count("refused world round") for log in logs], summaries=summaries)
 
