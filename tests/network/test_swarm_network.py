@@ -42,6 +42,8 @@ def test_region_rounds_equal_the_pure_round_and_regions_stay_apart(procs, tmp_pa
     assert sb["rounds_completed"] >= 2 and 2 in sb["group_sizes"], sb
     # the na peer is alone in its region: it never averaged, with anyone
     assert sn["rounds_completed"] == 0 and sn["group_sizes"] == [], sn
+    # the bootstrap node dialled each of them back where it listens (127.0.0.1)
+    assert sa["reachability"] == sb["reachability"] == sn["reachability"] == "direct"
     assert traces(tmp_path, "na-a") == {}
 
     ta, tb = traces(tmp_path, "eu-a"), traces(tmp_path, "eu-b")

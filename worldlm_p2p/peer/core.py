@@ -73,6 +73,10 @@ class Peer:
         self._net = net = joining.connect(cfg, stopping=self._stop.is_set)
         self.manifest, self.peer_id, m = net.manifest, net.peer_id, net.manifest
         self.events.emit("joined", peer_id=self.peer_id, run_id=m.run_id, fingerprint=m.fingerprint())
+        if net.reachability is not None:
+            self.events.emit("reachability", status=net.reachability.status, reachable=net.reachability.reachable,
+                             unreachable=net.reachability.unreachable, asked=net.reachability.asked,
+                             answered=net.reachability.answered)
         local = joining.build_local(cfg, m, splits)
         self.trainer, self.rule = local.trainer, local.rule
         self._member = Member(model=local.model, trainer=local.trainer, rule=local.rule, stats=self.stats)
@@ -232,7 +236,9 @@ class Peer:
                    inner_steps=m.train.inner_steps if m else None,
                    epsilon=self._epsilon() if self._member is not None and self._epsilon() >= 0 else None,
                    border_epsilon=border.epsilon() if border is not None else None,
-                   strategy=m.aggregation.strategy if m else None)
+                   strategy=m.aggregation.strategy if m else None,
+                   reachability=(self._net.reachability.status if self._net is not None
+                                 and self._net.reachability is not None else None))
         if final_eval and m is not None:
             out["valid_loss"] = self.trainer.evaluate()
         if self.config.summary_path:

@@ -46,6 +46,7 @@ class Network:
     admission: RegionAdmission
     certificate: dict | None  # this peer's admission to its region (wire form), where the region requires one
     manifest_record: Any = None  # the run key's signed manifest record, which this peer keeps alive in the DHT
+    reachability: Any = None  # what the dial-back check found (net.reachability.Reachability; None: not asked)
 
 
 def connect(config: PeerConfig, *, stopping: Callable[[], bool]) -> Network:
@@ -92,9 +93,9 @@ def connect(config: PeerConfig, *, stopping: Callable[[], bool]) -> Network:
         logger.info("others can join through this peer: --initial-peers %s", " ".join(own))
     except Exception as e:  # the daemon may not say yet
         logger.debug("could not read this peer's addresses: %s", e)
-    check_reachability(dht, config, own)
+    reach = check_reachability(dht, config, own)
     return Network(dht=dht, validators=validators, manifest=manifest, peer_id=str(dht.peer_id), admission=admission,
-                   certificate=certificate, manifest_record=record)
+                   certificate=certificate, manifest_record=record, reachability=reach)
 
 
 def check_reachability(dht, config: PeerConfig, own: list[str]):
