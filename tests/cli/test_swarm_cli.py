@@ -69,7 +69,8 @@ def test_swarm_runs_a_small_world_writes_summary_and_stops_on_ctrl_c(tmp_path):
     for x in peers:
         ev = read_events(out / "events" / f"{x['label']}.jsonl")
         kinds = [e["event"] for e in ev]
-        assert kinds[:3] == ["started", "joined", "training"] and kinds[-1] == "finished", kinds
+        assert kinds[:4] == ["started", "joined", "reachability", "training"] and kinds[-1] == "finished", kinds
+        assert ev[2]["status"] == "direct" and ev[2]["reachable"], ev[2]
         averaged = [e for e in ev if e["event"] == "round" and e["outcome"] == "averaged"]
         assert [e["group_size"] for e in averaged] == x["group_sizes"]
         assert [e["mono"] for e in ev] == sorted(e["mono"] for e in ev)
