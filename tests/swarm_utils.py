@@ -14,33 +14,16 @@ from typing import Callable
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from fast_run import fast_run as _fast_run  # noqa: E402
+from fast_run import peer_env  # noqa: E402
+
 DEMO = REPO / "worldlm_p2p" / "demo_data"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
-FAST_RUN = """
-run_id = "{run_id}"
-[model]
-preset = "tiny"
-[train]
-inner_steps = {inner_steps}
-batch_size = 4
-seq_len = 64
-eval_tokens = 2048
-[averaging]
-matchmaking_time = 1.5
-request_timeout = 0.5
-averaging_timeout = 15.0
-barrier_timeout = 30.0
-{averaging_extra}
-[aggregation]
-{aggregation}
-"""
-
 
 def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", WORLDLM_LOGLEVEL="INFO")
-    return e
+    return peer_env()
 
 
 class Procs:
@@ -97,8 +80,10 @@ def wait_for(cond: Callable[[], object], timeout: float, what: str, poll: float 
 
 
 def fast_run(run_id: str = "t", inner_steps: int = 5, averaging: str = "", aggregation: str = "") -> str:
-    """The FAST_RUN manifest; ``averaging``/``aggregation``: extra TOML lines for those sections."""
-    return FAST_RUN.format(run_id=run_id, inner_steps=inner_steps, averaging_extra=averaging, aggregation=aggregation)
+    """The loopback manifest of the swarm benchmarks (``benchmarks/fast_run.py``) with the tests'
+    barrier timeout and evaluation size; ``averaging``/``aggregation``: extra TOML lines."""
+    return _fast_run(run_id=run_id, inner_steps=inner_steps, barrier_timeout=30.0, averaging=averaging,
+                     aggregation=aggregation, eval_tokens=2048)
 
 
 def start_bootstrap(procs: Procs, tmp: Path, *, run_id: str = "t", inner_steps: int = 5,
@@ -191,7 +176,7 @@ def group_of(tmp: Path, label: str, r: int) -> list[dict]:
 
 
 def round_rule(strategy: str = "worldlm", **aggregation):
-    """The round rule a peer of a FAST_RUN manifest uses (the tiny model's parameter names)."""
+    """The round rule a peer of a fast_run manifest uses (the tiny model's parameter names)."""
     import tomllib
 
     from worldlm_p2p.config import RunManifest

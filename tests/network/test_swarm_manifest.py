@@ -43,7 +43,7 @@ def test_a_forged_manifest_stops_nobody_and_the_run_outlives_its_bootstrap(procs
     text = log_a.read_text(errors="replace")
     assert "train.lr" not in text and "different run keys" not in text
     a_maddrs = re.search(r"--initial-peers (.+)", text).group(1).split()
-    # the bootstrap node goes; its copy of the manifest expires (FAST_RUN's bootstrap uses the default
+    # the bootstrap node goes; its copy of the manifest expires (fast_run's bootstrap uses the default
     # TTL, so the bootstrap's record stays until then: kill it and check that the newcomer's manifest
     # came through eu-a, the only peer it knows, whose stored copy is the run key's)
     boot.kill()
