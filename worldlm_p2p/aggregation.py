@@ -61,12 +61,19 @@ def outer_step(anchor: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor],
     return [p + lr * (a - p) for p, a in zip(anchor, averaged)]
 
 
-def allreduce_traffic(payload_bytes: int, group_size: int) -> tuple[int, int]:
+def allreduce_traffic(payload_bytes: int, group_size: int, *, clients: int = 0,
+                      client: bool = False) -> tuple[int, int]:
     """Bytes one peer sends and receives in a butterfly all-reduce of ``payload_bytes`` over a group
-    of ``group_size`` equal-bandwidth peers (hivemind's scheme, no compression): it sends the
-    (n-1)/n of its vector that others reduce, then the reduced 1/n part back to the n-1 others,
-    and receives the same amounts. Protocol and DHT overhead are not counted."""
+    of ``group_size`` equal-bandwidth peers (hivemind's scheme, no compression), ``clients`` of which
+    are outbound-only (hivemind's client mode: they reduce nothing, so the R = n - clients others
+    reduce one 1/R span each). A reducer sends the (R-1)/R of its vector that the other reducers
+    reduce, then its reduced span back to the n-1 others, and receives the same amounts; a client
+    (``client``) sends its whole vector and receives the whole average. Protocol and DHT overhead
+    are not counted."""
     if group_size <= 1:
         return 0, 0
-    part = payload_bytes * (group_size - 1) // group_size
-    return 2 * part, 2 * part
+    if client:
+        return payload_bytes, payload_bytes
+    reducers = max(1, group_size - clients)
+    part = payload_bytes * (reducers - 1) // reducers + payload_bytes * (group_size - 1) // reducers
+    return part, part

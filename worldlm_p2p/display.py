@@ -91,6 +91,14 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+_REACH = {"direct": "direct", "outbound": "out", "not-direct": "NAT?", "unknown": "?", None: "-"}
+
+
+def _rounds(p: Mapping[str, Any]) -> str:
+    partial = p.get("rounds_partial") or 0
+    return f"{p['rounds_completed']}" + (f" ({partial}~)" if partial else "")
+
+
 def monitor_view(snapshot: Mapping[str, Any]) -> RenderableType:
     """The live view of ``worldlm-monitor``: one table per region, then the swarm's totals.
     ``snapshot``: :func:`worldlm_p2p.net.monitor.build_snapshot`'s dict."""
@@ -112,8 +120,10 @@ def monitor_view(snapshot: Mapping[str, Any]) -> RenderableType:
         dp = any(p["epsilon"] is not None for p in reg["peers"])
         mixing = any(p.get("mix_region") is not None or p.get("mix_world") is not None for p in reg["peers"])
         table = Table(title=head, title_justify="left", expand=False)
+        # rounds: completed (of which partial, "+N~"); reach: how other peers reach it (direct, out: outbound-only)
         cols = [("id", "left"), ("peer", "left"), ("step", "right"), ("tokens", "right"), ("loss", "right"),
-                ("trend", "left"), ("tok/s", "right"), ("rounds", "right"), ("world", "right"), ("heard", "right")]  # heard: seconds since the peer's last record
+                ("trend", "left"), ("tok/s", "right"), ("rounds", "right"), ("world", "right"), ("reach", "left"),
+                ("heard", "right")]  # heard: seconds since the peer's last record
         if dp:
             cols.append(("ε", "right"))
         if mixing:  # evidence mixing: what the peer took of its region's model and of the world's changes
@@ -127,8 +137,8 @@ def monitor_view(snapshot: Mapping[str, Any]) -> RenderableType:
         for p in reg["peers"]:
             row = [p["short_id"], ("★ " if p["leader"] else "") + p["label"], str(p["step"]), f"{p['tokens']:,}",
                    f"{p['train_loss']:.3f}", sparkline(p["loss_trend"][-8:]), f"{p['tokens_per_s']:,.0f}",
-                   str(p["rounds_completed"]), str(p["world_round"]) if p["world_round"] >= 0 else "-",
-                   f"{p['seconds_since_heard']:.0f}s"]
+                   _rounds(p), str(p["world_round"]) if p["world_round"] >= 0 else "-",
+                   _REACH.get(p.get("reachability"), "?"), f"{p['seconds_since_heard']:.0f}s"]
             if dp:
                 row.append(f"{p['epsilon']:.2f}" if p["epsilon"] is not None else "-")
             if mixing:

@@ -59,6 +59,8 @@ def boot(tmp_path_factory):
     (["--region", "eu", "--data", DATA, "--initial-peers", NOBODY, "--device", "tpu"], ["device"]),
     (["--region", "eu", "--data", DATA, "--initial-peers", NOBODY, "--config", "/nonexistent.toml"],
      ["/nonexistent.toml"]),
+    (["--region", "eu", "--data", DATA, "--initial-peers", NOBODY, "--reachability", "relay"],
+     ["--reachability", "relay"]),
 ])
 def test_peer_bad_input_fails_fast_with_one_line(argv, needles):
     code, _, err = run(PEER + argv)

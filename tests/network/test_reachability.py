@@ -69,3 +69,10 @@ def test_advice_says_what_to_do_when_not_directly_reachable():
     assert r.status == "not-direct" and "NOT directly reachable" in line
     assert "forward TCP port 31337" in line and "--announce-maddrs /ip4/<your public ip>/tcp/31337" in line
     assert "check that the address given with --announce-maddrs" in R.advice(r, announce_given=True)
+
+
+def test_advice_of_a_peer_that_goes_on_outbound_only():
+    r = R.Reachability(asked=1, answered=1, dialed={"/ip4/11.0.0.40/tcp/31338": False})
+    line = R.advice(r, announce_given=False, outbound=True)
+    assert "forward TCP port 31338" in line and "runs outbound-only" in line and "never reduces" in line
+    assert "outbound-only" not in R.advice(r, announce_given=False)  # (--reachability direct: it is not)

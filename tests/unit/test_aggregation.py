@@ -50,3 +50,11 @@ def test_allreduce_traffic():
     assert allreduce_traffic(1000, 1) == (0, 0)
     assert allreduce_traffic(1000, 2) == (1000, 1000)  # send half, get half back, both ways
     assert allreduce_traffic(900, 3) == (1200, 1200)
+    # two outbound-only members (hivemind's client mode) of a group of 3: the one reducer reduces the
+    # whole vector from the two others and sends it back to both; each client sends and gets it all
+    assert allreduce_traffic(900, 3, clients=2) == (1800, 1800)
+    assert allreduce_traffic(900, 3, clients=2, client=True) == (900, 900)
+    # 4 peers, one client: 3 reducers of 300 bytes each; a reducer sends 600 to the other reducers and
+    # its span to 3 others (900), and receives as much
+    assert allreduce_traffic(900, 4, clients=1) == (1500, 1500)
+    assert allreduce_traffic(900, 1, clients=0, client=True) == (0, 0)

@@ -6,10 +6,11 @@ from worldlm_p2p.net.barrier import Action, decide, wait_for_region
 from worldlm_p2p.net.records import ProgressRecord
 
 
-def rec(label, *, waiting=-1, rnd=0, finished=False):
+def rec(label, *, waiting=-1, rnd=0, finished=False, reachability=""):
     return ProgressRecord(region="eu", peer_id=label, label=label, step=0, tokens=0, train_loss=0.0, tokens_per_s=0.0,
                           rounds_completed=0, last_group_size=0, bytes_sent=0, bytes_received=0, round=rnd,
-                          waiting_for_round=waiting, fingerprint="f", time=0.0, finished=finished)
+                          waiting_for_round=waiting, fingerprint="f", time=0.0, finished=finished,
+                          reachability=reachability)
 
 
 def test_alone_when_no_live_peer():
@@ -61,3 +62,35 @@ def test_the_round_is_the_majoritys_and_an_absurd_claim_moves_nobody():
     # the peer ahead waits for the region to reach its round
     d = decide(my_round=9, others=[rec("a", waiting=4), rec("c", waiting=4)])
     assert d.action is Action.WAIT and d.round == 9
+
+
+def test_an_outbound_peer_needs_a_live_peer_others_can_dial():
+    # two outbound-only peers: nobody could reduce their round, so neither waits for the other
+    d = decide(my_round=2, others=[rec("b", waiting=2, reachability="outbound")], outbound=True)
+    assert d.action is Action.ALONE and d.live == 1
+    # a direct peer (or one of an older version, which says nothing) makes the round possible
+    for reach in ("direct", "", "unknown", "not-direct"):
+        d = decide(my_round=2, others=[rec("b", waiting=2, reachability="outbound"),
+                                       rec("c", waiting=2, reachability=reach)], outbound=True)
+        assert d.action is Action.GO and d.waiting == 2, reach
+    # the direct peer itself waits for outbound ones: it reduces their round
+    d = decide(my_round=2, others=[rec("b", waiting=2, reachability="outbound")], outbound=False)
+    assert d.action is Action.GO and d.waiting == 1
+    # a finished direct peer does not count
+    d = decide(my_round=2, others=[rec("b", waiting=2, reachability="outbound"),
+                                   rec("c", finished=True, reachability="direct")], outbound=True)
+    assert d.action is Action.ALONE
+
+
+def test_a_round_that_lost_a_part_is_partial():
+    from worldlm_p2p.peer.region_round import lost_parts
+
+    assert lost_parts(group_size=3, expected=3, target=8) == []
+    assert lost_parts(group_size=2, expected=2, target=2) == []
+    # three waited at the barrier, the group held two: one member's part is missing
+    assert lost_parts(group_size=2, expected=3, target=8) == ["1 of the 3 peers that waited were not in the group"]
+    # a group capped by target_group_size is not partial for being smaller than the crowd
+    assert lost_parts(group_size=4, expected=6, target=4) == []
+    why = lost_parts(group_size=3, expected=3, target=8, dropped=("QmB",))
+    assert why == ["this peer's reducer dropped the part of QmB"]
+    assert lost_parts(group_size=3, expected=None, target=8) == []

@@ -7,12 +7,13 @@ from worldlm_p2p.peer.stats import PeerStats
 # what a checkpoint held before the views were derived (peer.py of 2026-12-01): resume depends on it
 CHECKPOINTED = {"step", "tokens", "round", "rounds_completed", "rounds_failed", "bytes_sent", "bytes_received",
                 "tokens_since_round", "first_train_loss", "world_round", "world_rounds_led", "world_rounds_adopted",
-                "rounds_since_world", "bytes_sent_border", "last_train_loss", "group_sizes", "history", "mixes"}
+                "rounds_since_world", "bytes_sent_border", "last_train_loss", "group_sizes", "history", "mixes",
+                "rounds_partial"}  # (rounds_partial: added with the partial-round outcome; absent in older ones)
 # what summary.json carried from the stats (readers: worldlm-swarm, benchmarks, report)
 SUMMARY = {"started_from", "initial_step", "steps", "tokens", "rounds_completed", "rounds_failed", "group_sizes",
            "round_seconds", "seconds_to_first_round", "first_train_loss", "last_train_loss", "bytes_sent",
            "bytes_received", "bytes_sent_border", "world_round", "world_rounds_led", "world_rounds_adopted",
-           "history", "mixes"}
+           "history", "mixes", "rounds_partial"}
 
 
 def test_views_name_the_fields_they_always_did():

@@ -26,7 +26,7 @@ _PEER_KEYS = {
     "region": str, "data": str, "run_id": str, "label": str, "max_steps": int, "max_tokens": int, "device": str,
     "checkpoint_dir": str, "checkpoint_every": int, "threads": int, "initial_peers": list, "host_maddrs": list,
     "announce_maddrs": list, "identity": str, "summary": str, "manifest_wait": float, "trace_dir": str, "events": str, "certificate": str,
-    "wait_for_peers": int, "run_key": str, "privacy": dict,
+    "wait_for_peers": int, "run_key": str, "privacy": dict, "reachability": str,
 }
 
 
@@ -49,6 +49,10 @@ def build_parser() -> ArgumentParser:
                    help="listen addresses (default: /ip4/127.0.0.1/tcp/0 when every initial peer is on loopback, "
                         "else /ip4/0.0.0.0/tcp/0; set a fixed PORT to open it in a firewall)")
     p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="public addresses to advertise")
+    p.add_argument("--reachability", choices=("auto", "direct", "outbound"),
+                   help="auto (default): a dial-back check at start decides; direct: other peers can dial this "
+                        "one; outbound: behind NAT without a port forward, this peer only dials out (it sends its "
+                        "part of every round and gets the result back, but never reduces, serves or leads)")
     p.add_argument("--identity", metavar="PATH", help="private key file (created with mode 0600 if missing)")
     p.add_argument("--summary", metavar="JSON", help="write a JSON summary of this peer here at exit")
     p.add_argument("--manifest-wait", type=float, help="seconds to wait for the run manifest (default 30)")
@@ -138,6 +142,8 @@ def make_config(args) -> PeerConfig:
         net_kwargs["host_maddrs"] = ("/ip4/0.0.0.0/tcp/0",)
     if peer.get("announce_maddrs"):
         net_kwargs["announce_maddrs"] = tuple(peer["announce_maddrs"])
+    if peer.get("reachability"):
+        net_kwargs["reachability"] = peer["reachability"]
     kwargs: dict[str, Any] = dict(
         region=peer["region"], data=peer["data"], net=NetConfig(**net_kwargs), run_id=peer.get("run_id"),
         label=peer.get("label", ""), max_steps=peer.get("max_steps"), max_tokens=peer.get("max_tokens"),

@@ -80,6 +80,9 @@ def privacy_violations(policy: PrivacyPolicy, settings: PrivacyConfig) -> list[s
 # ----------------------------------------------------------------------------------- peer
 
 
+REACHABILITY_MODES = ("auto", "direct", "outbound")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NetConfig:
     """How a process joins the DHT."""
@@ -91,12 +94,19 @@ class NetConfig:
     connect_retries: int = 3
     connect_backoff: float = 1.0  # seconds before the first retry; doubles each time
     startup_timeout: float = 30.0
+    # how this process takes part: "auto" (the dial-back check at start decides), "direct" (others can
+    # dial it: it serves the DHT, reduces parts of all-reduces and may lead its region) or "outbound"
+    # (behind NAT without a port forward: a DHT client that sends its part of every all-reduce and
+    # receives the result over the connections it opened, never a reducer, a state donor or a leader)
+    reachability: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.connect_retries >= 0, "connect_retries", "must be >= 0")
         _require(self.connect_backoff >= 0, "connect_backoff", "must be >= 0")
         _require(self.startup_timeout > 0, "startup_timeout", "must be > 0")
         _require(len(self.host_maddrs) > 0, "host_maddrs", "needs at least one address to listen on")
+        _require(self.reachability in REACHABILITY_MODES, "reachability",
+                 f"{self.reachability!r} is not one of {', '.join(REACHABILITY_MODES)}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -84,7 +84,9 @@ class RegionAverager(DecentralizedAverager):
             sender_timeout=allreduce_timeout / 3,
             reducer_timeout=allreduce_timeout * 2 / 3,
             declare_state_period=5.0,
-            allow_state_sharing=True,
+            # an outbound-only peer's DHT is a client: its averager then runs in client mode (it sends its
+            # part and receives the average over connections it opens, never reduces, and serves no state)
+            allow_state_sharing=not dht.client_mode,
             shutdown_timeout=3.0,
         )
         self._timeout = averaging.averaging_timeout
@@ -200,7 +202,8 @@ class RegionAverager(DecentralizedAverager):
         finally:
             caught = {p: why for p, t in runner.sender_report().items()
                       if p != str(self.peer_id) and (why := t.why_caught(clipped_above=self._clipped_above))}
-            self._last_report = RoundReport(caught=caught, bad_reducers=dict(runner.bad_reducers))
+            self._last_report = RoundReport(caught=caught, bad_reducers=dict(runner.bad_reducers),
+                                            dropped=tuple(runner.dropped_senders()))
 
     def take_report(self, *, timeout: float = 5.0) -> RoundReport:
         """What the averager saw in its last all-reduce (an empty report if it cannot say)."""
@@ -222,7 +225,8 @@ class RegionAverager(DecentralizedAverager):
         with self._shared_lock:
             self._shared_tensors = copies
             self._shared_meta = dict(self._shared_meta, round=int(round_index), **meta)
-        self.state_sharing_priority = float(round_index)
+        if not self.client_mode:
+            self.state_sharing_priority = float(round_index)
 
     def get_current_state(self):
         with self._shared_lock:

@@ -39,11 +39,15 @@ class Decision:
     live: int  # other live peers of the region
 
 
-def decide(*, my_round: int, others: Sequence[ProgressRecord]) -> Decision:
-    """Pure barrier rule over the other live peers of the region (records of self excluded)."""
+def decide(*, my_round: int, others: Sequence[ProgressRecord], outbound: bool = False) -> Decision:
+    """Pure barrier rule over the other live peers of the region (records of self excluded).
+    ``outbound``: this peer is outbound-only; with no live peer that others can dial (every other
+    one outbound too), nobody could reduce a round: the region trains alone until one comes."""
     live = [r for r in others if not r.finished]
     if not live:
         return Decision(Action.ALONE, my_round, 0, 0)
+    if outbound and all(r.reachability == "outbound" for r in live):
+        return Decision(Action.ALONE, my_round, 0, len(live))
     claims = sorted([my_round] + [r.waiting_for_round for r in live], reverse=True)
     majority = claims[(len(claims) + 1) // 2 - 1]  # the latest round at least half of the region has reached
     target = max(my_round, majority)
@@ -57,18 +61,18 @@ def decide(*, my_round: int, others: Sequence[ProgressRecord]) -> Decision:
 
 def wait_for_region(*, my_round: int, fetch_others: Callable[[], list[ProgressRecord]],
                     announce: Callable[[int], None], timeout: float, poll: float = 0.25,
-                    should_stop: Callable[[], bool] = lambda: False) -> Decision:
+                    should_stop: Callable[[], bool] = lambda: False, outbound: bool = False) -> Decision:
     """Announce readiness for ``my_round`` and wait until :func:`decide` says GO or ALONE, or until
     ``timeout``; at the timeout, go ahead with whoever waits (laggards miss this round)."""
     deadline = time.monotonic() + timeout
     announce(my_round)
-    decision = decide(my_round=my_round, others=fetch_others())
+    decision = decide(my_round=my_round, others=fetch_others(), outbound=outbound)
     while decision.action is Action.WAIT and time.monotonic() < deadline and not should_stop():
         if decision.round != my_round:
             my_round = decision.round
             announce(my_round)
         time.sleep(poll)
-        decision = decide(my_round=my_round, others=fetch_others())
+        decision = decide(my_round=my_round, others=fetch_others(), outbound=outbound)
     if decision.round != my_round:
         announce(decision.round)
     if decision.action is Action.WAIT:

@@ -99,6 +99,22 @@ def initial_peer_ids(maddrs: Iterable[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def write_identity(path: str | Path, key) -> None:
+    """Write ``key`` (an ``RSAPrivateKey``) as a libp2p key file at ``path``, mode 0600, atomically."""
+    from hivemind.proto import crypto_pb2
+
+    path = Path(path)
+    blob = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, blob)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
 def ensure_identity(path: str | Path, *, announce: bool = True):
     """Load the libp2p identity at ``path`` or create it (mode 0600) if missing.
 
@@ -115,15 +131,7 @@ def ensure_identity(path: str | Path, *, announce: bool = True):
         if not path.parent.is_dir():
             raise ConfigError(f"cannot create identity {path}: directory {path.parent} does not exist")
         key = RSAPrivateKey()
-        blob = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, blob)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        write_identity(path, key)
         if announce:
             logger.info("created a new identity at %s (mode 0600); keep it private and back it up", path)
         return key

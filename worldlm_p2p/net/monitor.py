@@ -27,7 +27,8 @@ plain JSON-able dict; this is the schema ``worldlm-monitor --once --json`` print
           "peers": [                       # sorted by label
             {"peer_id": "...", "short_id": "…a1b2c3", "label": "eu-de", "region": "eu",
              "step": 60, "tokens": 38400, "train_loss": 2.4, "tokens_per_s": 410.2,
-             "rounds_completed": 4, "round": 4, "world_round": 1, "leader": true,
+             "rounds_completed": 4, "rounds_partial": 0, "round": 4, "world_round": 1, "leader": true,
+             "reachability": "direct" | "outbound" | "not-direct" | "unknown" | null,
              "seconds_since_heard": 1.3, "finished": false,
              "status": "training",         # or "round N" (in region round N), or "finished"
              "epsilon": null, "border_epsilon": null, "border_releases": null,
@@ -118,8 +119,8 @@ def build_snapshot(progress: Sequence[ProgressRecord], leases: Sequence[LeaseRec
             peers.append(dict(
                 peer_id=r.peer_id, short_id=short_id(r.peer_id), label=r.label, region=r.region, step=r.step,
                 tokens=r.tokens, train_loss=r.train_loss, tokens_per_s=0.0 if r.finished else r.tokens_per_s,
-                rounds_completed=r.rounds_completed, round=r.round, world_round=r.world_round,
-                leader=r.peer_id == leader, seconds_since_heard=max(0.0, now - r.time), finished=r.finished,
+                rounds_completed=r.rounds_completed, rounds_partial=r.rounds_partial, round=r.round,
+                world_round=r.world_round, reachability=r.reachability or None, leader=r.peer_id == leader, seconds_since_heard=max(0.0, now - r.time), finished=r.finished,
                 status=_status(r), epsilon=r.epsilon if r.epsilon >= 0 else None,
                 border_epsilon=r.border_epsilon if r.border_epsilon >= 0 else None,
                 border_releases=r.border_releases if r.border_epsilon >= 0 and r.border_releases >= 0 else None,

@@ -195,8 +195,9 @@ def check(dht, peer_ids: list[str], maddrs: list[str], *, timeout: float = 30.0)
         return Reachability(asked=len(peer_ids), answered=0, dialed={})
 
 
-def advice(r: Reachability, *, announce_given: bool) -> str:
-    """One line: what this peer is and, when not directly reachable, what to do."""
+def advice(r: Reachability, *, announce_given: bool, outbound: bool = False) -> str:
+    """One line: what this peer is and, when not directly reachable, what to do (``outbound``: the
+    peer goes on as an outbound-only member)."""
     if r.status == "unknown":
         return (f"reachability: unknown (none of the {r.asked} peers asked answered a dial-back request); "
                 "other peers may not be able to open connections to this one")
@@ -210,4 +211,6 @@ def advice(r: Reachability, *, announce_given: bool) -> str:
             f"forward TCP port {port} of your router to this machine and "
             + ("check that the address given with --announce-maddrs is your public one" if announce_given else
                f"add --announce-maddrs /ip4/<your public ip>/tcp/{port}")
-            + "; until then only peers this one dials can average with it")
+            + ("; until then this peer runs outbound-only: it sends its part of every region round to a reachable "
+               "member and gets the average back, but never reduces, serves its model or leads its region"
+               if outbound else "; until then only peers this one dials can average with it"))

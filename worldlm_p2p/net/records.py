@@ -76,6 +76,10 @@ class ProgressRecord:
     certificate: dict | None = None  # the region's admission of this peer (net.admission.Certificate wire)
     state_round: int = -1  # the round of the region's agreed model this peer serves (-1: none yet)
     state_digest: str = ""  # that model's digest (worldlm_p2p.codec.state_digest)
+    # how others reach it: "direct", "outbound" (it only dials out), "not-direct" (found unreachable but
+    # told to act as direct), "unknown", "" (not checked / an older peer: taken as direct)
+    reachability: str = ""
+    rounds_partial: int = 0  # of rounds_completed, those that lost a part
     # not on the wire: the peer id of the key that signed the record in the DHT (set by the reader)
     signer: str | None = field(default=None, compare=False)
 
@@ -101,6 +105,8 @@ class ProgressRecord:
         d["finished"] = bool(d["finished"])
         d["state_round"] = max(-1, int(d["state_round"]))
         d["state_digest"] = str(d["state_digest"])[:64]
+        d["reachability"] = str(d["reachability"])[:16]
+        d["rounds_partial"] = max(0, int(d["rounds_partial"]))
         return d
 
     @classmethod

@@ -154,6 +154,12 @@ class RobustAllReduceRunner(AllReduceRunner):
 
         container.register_processed_part, container.register_failed_reducer = processed, failed
 
+    def dropped_senders(self) -> list[str]:
+        """The senders whose parts this peer's reducer stopped waiting for (hivemind's sender timeout, a
+        broken stream): its span of the average was made without them."""
+        failed = self.tensor_part_reducer.sender_failed_after
+        return [str(pid) for pid, after in zip(self.sender_peer_ids, failed) if after != float("inf")]
+
     def sender_report(self) -> dict[str, SenderTally]:
         """Peer id -> what this peer's reducer saw of it in this round."""
         return {str(pid): t for pid, t in zip(self.sender_peer_ids, self.tensor_part_reducer.tallies)}
@@ -166,3 +172,4 @@ class RoundReport:
 
     caught: dict[str, str] = field(default_factory=dict)
     bad_reducers: dict[str, str] = field(default_factory=dict)
+    dropped: tuple[str, ...] = ()  # senders this peer's reducer averaged without (a part was lost)

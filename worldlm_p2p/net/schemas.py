@@ -63,6 +63,8 @@ class _ProgressModel(pydantic.BaseModel):
     certificate: Optional[_CertificateModel] = None  # the region's admission of this peer
     state_round: pydantic.conint(strict=True, ge=-1) = -1  # the round of the agreed model it serves
     state_digest: pydantic.constr(strict=True, max_length=64) = ""  # its digest (codec.state_digest)
+    reachability: pydantic.constr(strict=True, max_length=16) = ""  # direct / outbound / not-direct / unknown
+    rounds_partial: _Count = 0
 
     class Config:
         extra = pydantic.Extra.forbid

@@ -73,10 +73,13 @@ class Peer:
         self._net = net = joining.connect(cfg, stopping=self._stop.is_set)
         self.manifest, self.peer_id, m = net.manifest, net.peer_id, net.manifest
         self.events.emit("joined", peer_id=self.peer_id, run_id=m.run_id, fingerprint=m.fingerprint())
-        if net.reachability is not None:
-            self.events.emit("reachability", status=net.reachability.status, reachable=net.reachability.reachable,
-                             unreachable=net.reachability.unreachable, asked=net.reachability.asked,
-                             answered=net.reachability.answered)
+        if net.reachability is not None or net.outbound:
+            r = net.reachability
+            self.events.emit("reachability", status=r.status if r is not None else "not-checked",
+                             mode="outbound" if net.outbound else "direct",
+                             reachable=r.reachable if r is not None else [],
+                             unreachable=r.unreachable if r is not None else [],
+                             asked=r.asked if r is not None else 0, answered=r.answered if r is not None else 0)
         local = joining.build_local(cfg, m, splits)
         self.trainer, self.rule = local.trainer, local.rule
         self._member = Member(model=local.model, trainer=local.trainer, rule=local.rule, stats=self.stats)
@@ -90,7 +93,8 @@ class Peer:
             dht=net.dht, validators=net.validators, dht_lock=self._dht_lock, config=cfg, manifest=m,
             peer_id=self.peer_id, label=self.label, stats=self.stats, state=self._state, epsilon=self._epsilon,
             is_leader=lambda: self._world is not None and self._world.is_leader(), finished=self._stop,
-            admission=net.admission, certificate=net.certificate, manifest_record=net.manifest_record)
+            admission=net.admission, certificate=net.certificate, manifest_record=net.manifest_record,
+            reachability=net.reachability_status)
         others = lambda: progress.region_records(everyone=self.rule.world_group)  # noqa: E731
         self._averager = RegionAverager(tensors=template, dht=net.dht, run_id=m.run_id,
                                         region=ALL_REGIONS if self.rule.world_group else cfg.region,
@@ -115,7 +119,8 @@ class Peer:
                                       manifest=m, peer_id=self.peer_id, rule=self.rule, state=self._state,
                                       stats=self.stats, member=self._member, server=self._server, trace=self._trace,
                                       stopping=self._stop.is_set, events=self.events,
-                                      admitted=lambda: progress.admitted, run_admitted=progress.run_admitted)
+                                      admitted=lambda: progress.admitted, run_admitted=progress.run_admitted,
+                                      outbound=net.outbound)
         world = self._world
         self._round = RegionRound(
             rule=self.rule, averaging=m.averaging, averager=self._averager, state=self._state, stats=self.stats,
@@ -126,7 +131,7 @@ class Peer:
             on_averaged=(lambda result: world.count(gathered_tokens(result))) if world else lambda result: None,
             on_alone=self._region_of_one,
             on_refresh=lambda missed: joining.refresh_joined_anchor(missed, **parts),
-            admitted=lambda: progress.admitted, banned=progress.banned)
+            admitted=lambda: progress.admitted, banned=progress.banned, outbound=net.outbound)
         progress.start()
 
     def _region_of_one(self, no_live_peer: bool) -> None:
@@ -237,8 +242,7 @@ class Peer:
                    epsilon=self._epsilon() if self._member is not None and self._epsilon() >= 0 else None,
                    border_epsilon=border.epsilon() if border is not None else None,
                    strategy=m.aggregation.strategy if m else None,
-                   reachability=(self._net.reachability.status if self._net is not None
-                                 and self._net.reachability is not None else None))
+                   reachability=(self._net.reachability_status or None) if self._net is not None else None)
         if final_eval and m is not None:
             out["valid_loss"] = self.trainer.evaluate()
         if self.config.summary_path:

@@ -8,10 +8,13 @@ benchmark can subtract the time it spawned the peer). The kinds and their fields
 =================  ==========================================================================
 ``started``        the process began setting up (``pid``)
 ``joined``         joined the DHT and fetched the manifest (``peer_id``, ``run_id``, ``fingerprint``)
+``reachability``   what the dial-back check found: ``status`` (direct, not-direct, unknown,
+                   not-checked), ``mode`` (direct, outbound), ``reachable``, ``unreachable``
 ``training``       the first training step is next (``started_from``: init, region or checkpoint)
-``round``          a region round ended: ``round``, ``outcome`` (averaged, failed, alone, stopped),
-                   ``group_size``, ``seconds`` (all-reduce, matchmaking included), ``step``,
-                   ``error`` (failed only)
+``round``          a region round ended: ``round``, ``outcome`` (averaged, partial, failed, alone, stopped),
+                   ``group_size``, ``expected`` (the peers that waited at the barrier), ``seconds``
+                   (all-reduce, matchmaking included), ``step``, ``error`` (failed only),
+                   ``dropped`` (partial: senders this peer's reducer averaged without)
 ``world_led``      a world round this peer led finished (``world_round``, ``regions``, ``seconds``)
 ``world_adopted``  the peer adopted a world round (``world_round``, ``round``, ``lam``)
 ``checkpoint``     a checkpoint was written (``step``, ``path``)

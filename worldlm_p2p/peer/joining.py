@@ -19,7 +19,7 @@ from worldlm_p2p.config import PeerConfig, RunManifest, manifest_conflicts, priv
 from worldlm_p2p.errors import ConfigError, DataError, ManifestError
 from worldlm_p2p.net import records
 from worldlm_p2p.net.admission import Certificate, RegionAdmission, check, peer_id_of, run_key_text
-from worldlm_p2p.net.dht import ensure_identity, initial_peer_ids, start_dht, visible_maddrs
+from worldlm_p2p.net.dht import ensure_identity, initial_peer_ids, start_dht, visible_maddrs, write_identity
 from worldlm_p2p.net.records import fetch_run_manifest
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.strategies import strategy as strategy_of
@@ -47,6 +47,15 @@ class Network:
     certificate: dict | None  # this peer's admission to its region (wire form), where the region requires one
     manifest_record: Any = None  # the run key's signed manifest record, which this peer keeps alive in the DHT
     reachability: Any = None  # what the dial-back check found (net.reachability.Reachability; None: not asked)
+    outbound: bool = False  # this peer runs outbound-only (a DHT client, never a reducer, donor or leader)
+
+    @property
+    def reachability_status(self) -> str:
+        """What the swarm is told of this peer: ``outbound``, or the check's ``direct`` /
+        ``not-direct`` / ``unknown`` (``""``: not checked, e.g. no bootstrap node to ask)."""
+        if self.outbound:
+            return "outbound"
+        return self.reachability.status if self.reachability is not None else ""
 
 
 def connect(config: PeerConfig, *, stopping: Callable[[], bool]) -> Network:
@@ -63,7 +72,8 @@ def connect(config: PeerConfig, *, stopping: Callable[[], bool]) -> Network:
         # the run id is known only after the manifest is fetched; start with the runs schema and add
         # the progress schema once the run is known
         validators = records.make_validators(None, key)
-        dht = start_dht(net, record_validators=validators)
+        outbound = net.reachability == "outbound"
+        dht = start_dht(net, record_validators=validators, client_mode=outbound)
     try:
         trusted = run_key_text(config.run_key) if config.run_key else None
         record = fetch_run_manifest(dht, run_id=config.run_id, wait=config.manifest_wait, should_stop=stopping,
@@ -90,12 +100,44 @@ def connect(config: PeerConfig, *, stopping: Callable[[], bool]) -> Network:
     own: list[str] = []
     try:
         own = visible_maddrs(dht)
-        logger.info("others can join through this peer: --initial-peers %s", " ".join(own))
+        if not outbound:
+            logger.info("others can join through this peer: --initial-peers %s", " ".join(own))
     except Exception as e:  # the daemon may not say yet
         logger.debug("could not read this peer's addresses: %s", e)
-    reach = check_reachability(dht, config, own)
+    reach = None
+    if outbound:
+        logger.info("reachability: outbound-only (--reachability outbound): this peer sends its part of every region "
+                    "round to a reachable member and gets the average back; it never reduces, serves its model or "
+                    "leads its region")
+    else:
+        reach = check_reachability(dht, config, own)
+        if reach is not None and reach.status == "not-direct" and net.reachability == "auto":
+            dht = _restart_outbound(dht, config, key, validators + records.make_validators(manifest.run_id, key)[2:],
+                                    record)
+            outbound = True
     return Network(dht=dht, validators=validators, manifest=manifest, peer_id=str(dht.peer_id), admission=admission,
-                   certificate=certificate, manifest_record=record, reachability=reach)
+                   certificate=certificate, manifest_record=record, reachability=reach, outbound=outbound)
+
+
+def _restart_outbound(dht, config: PeerConfig, key, validators: list, record):
+    """Nobody could dial this peer back: start its DHT node again as a client (same identity), so that
+    other peers do not put it in their routing tables and its averagers run in client mode (they send
+    their part and receive the average over connections this peer opens; hivemind then never makes
+    it a reducer, and no group waits on a connection to it)."""
+    dht.shutdown()
+    with tempfile.TemporaryDirectory(prefix="worldlm-identity-") as tmp:
+        net = config.net
+        if not net.identity_path:
+            path = Path(tmp) / "identity.key"
+            write_identity(path, key)
+            net = dataclasses.replace(net, identity_path=str(path))
+        dht = start_dht(net, record_validators=validators, client_mode=True)
+    try:
+        records.publish_manifest(dht, validators, record, ttl=records.PEER_MANIFEST_TTL)
+    except Exception as e:
+        logger.debug("could not store a copy of the run manifest: %s", e)
+    logger.info("running outbound-only from now on (as peer %s)", dht.peer_id)
+    return dht
 
 
 def check_reachability(dht, config: PeerConfig, own: list[str]):
@@ -112,7 +154,8 @@ def check_reachability(dht, config: PeerConfig, own: list[str]):
         return None
     announced = list(config.net.announce_maddrs)
     result = reachability.check(dht, asked, announced + own, timeout=15.0)
-    line = reachability.advice(result, announce_given=bool(announced))
+    line = reachability.advice(result, announce_given=bool(announced),
+                               outbound=config.net.reachability == "auto" and result.status == "not-direct")
     (logger.info if result.status == "direct" else logger.warning)("%s", line)
     return result
 

@@ -28,11 +28,12 @@ class Progress:
     def __init__(self, *, dht, validators, dht_lock: threading.Lock, config: PeerConfig, manifest: RunManifest,
                  peer_id: str, label: str, stats: PeerStats, state: RegionState, epsilon: Callable[[], float],
                  is_leader: Callable[[], bool], finished: threading.Event, admission: RegionAdmission,
-                 certificate: dict | None, manifest_record=None) -> None:
+                 certificate: dict | None, manifest_record=None, reachability: str = "") -> None:
         self.dht, self.validators, self.dht_lock = dht, validators, dht_lock
         self.config, self.manifest, self.peer_id, self.label = config, manifest, peer_id, label
         self.stats, self.state, self.epsilon, self.is_leader, self.finished = stats, state, epsilon, is_leader, finished
         self.admission, self.certificate = admission, certificate
+        self.reachability = reachability  # what this peer tells the swarm of how it is reached (joining.Network)
         self.manifest_record = manifest_record  # kept alive in the DHT by this peer too (signed by the run key)
         self._manifest_published = time.monotonic()  # joining.connect stored the first copy
         self.train_started: float | None = None
@@ -58,7 +59,8 @@ class Progress:
             border_epsilon=border.epsilon() if border is not None else -1.0,
             border_releases=border.releases if border is not None else -1,
             mix_region=s.recent_mix("region"), mix_world=s.recent_mix("world"), certificate=self.certificate,
-            state_round=s.state_round, state_digest=s.state_digest)
+            state_round=s.state_round, state_digest=s.state_digest, reachability=self.reachability,
+            rounds_partial=s.rounds_partial)
 
     @contextlib.contextmanager
     def _dht(self, timeout: float):

@@ -50,6 +50,8 @@ class Outcome(enum.Enum):
     STOPPED = "stopped"  # the peer is stopping: no round
     ALONE = "alone"  # no other live peer in the region: a region round of one
     AVERAGED = "averaged"  # the group's average was taken
+    PARTIAL = "partial"  # taken, but the round lost a part (a member that waited was not in the group, or a
+    #                      sender's part was dropped by this peer's reducer): counted apart from complete rounds
     FAILED = "failed"  # the all-reduce failed or its result was unusable: the member keeps its model
 
 
@@ -94,19 +96,21 @@ class RegionRound:
                  stopping: Callable[[], bool], trace: Callable[[str, dict], None],
                  before_average: Callable[[], None], on_averaged: Callable[[RoundResult], None],
                  on_alone: Callable[[bool], None], on_refresh: Callable[[int], None], events: EventLog,
-                 admitted: Callable[[], set[str] | None] = lambda: None, banned: set[str] | None = None) -> None:
+                 admitted: Callable[[], set[str] | None] = lambda: None, banned: set[str] | None = None,
+                 outbound: bool = False) -> None:
         """``before_average()``: world changes due are adopted there; ``on_averaged(result)``: counts
         the round towards world rounds; ``on_alone(no_live_peer)``: the region of one;
         ``on_refresh(missed)``: a peer that joined from the region's state finds the region ahead;
         ``admitted()``: the peers this one may average with (None: an open region); ``banned``: the
-        set of banned peers, which this round adds to (shared with the barrier's record reader)."""
+        set of banned peers, which this round adds to (shared with the barrier's record reader);
+        ``outbound``: this peer is outbound-only (a round needs a member others can dial)."""
         self.rule, self.averaging, self.averager = rule, averaging, averager
         self.state, self.stats, self.member, self.server = state, stats, member, server
         self.region, self.label, self.started, self.payload_bytes = region, label, started, payload_bytes
         self.fetch_others, self.publish, self.stopping, self.trace = fetch_others, publish, stopping, trace
         self.before_average, self.on_averaged, self.on_alone, self.on_refresh = (before_average, on_averaged,
                                                                                  on_alone, on_refresh)
-        self.events, self.admitted = events, admitted
+        self.events, self.admitted, self.outbound = events, admitted, outbound
         self.strikes = Strikes(ban_after=averaging.ban_after, banned=banned)
         self._was_alone = False
 
@@ -118,7 +122,8 @@ class RegionRound:
             self.publish()
 
         decision = barrier.wait_for_region(my_round=s.round, fetch_others=self.fetch_others, announce=announce,
-                                           timeout=self.averaging.barrier_timeout, should_stop=self.stopping)
+                                           timeout=self.averaging.barrier_timeout, should_stop=self.stopping,
+                                           outbound=self.outbound)
         missed, s.round = decision.round - s.round, decision.round
         if (missed > 0 and s.rounds_completed == 0 and s.started_from == "region"
                 and decision.action is not barrier.Action.ALONE and not self.stopping()):
@@ -127,8 +132,14 @@ class RegionRound:
             outcome = Outcome.STOPPED if self.stopping() else Outcome.ALONE
             if outcome is Outcome.ALONE:
                 level = logging.DEBUG if self._was_alone else logging.INFO
-                logger.log(level, "round %d: no other live peer in region %s, training on locally", s.round,
-                           self.region)
+                if decision.live:  # (an outbound-only peer whose live region mates are all outbound-only too)
+                    logger.log(level if self._was_alone else logging.WARNING,
+                               "round %d: none of the %d live peers of region %s can be dialled (all outbound-only), "
+                               "so nobody can reduce a round: training on locally until a reachable peer joins",
+                               s.round, decision.live, self.region)
+                else:
+                    logger.log(level, "round %d: no other live peer in region %s, training on locally", s.round,
+                               self.region)
                 self.on_alone(decision.live == 0)
             self._was_alone = True
             s.waiting_for_round = -1
@@ -139,10 +150,12 @@ class RegionRound:
         self.before_average()
         averaged = self.average(self.member.params(), waiting=decision.waiting)
         self.judge(averaged.result)
-        outcome = self.apply(averaged)
+        outcome = self.apply(averaged, expected=decision.waiting + 1)
         r = averaged.result
         self.events.emit("round", round=s.round, outcome=outcome.value, group_size=r.group_size,
-                         seconds=round(r.seconds, 4), step=s.step, **({"error": r.error} if not r.ok else {}))
+                         seconds=round(r.seconds, 4), step=s.step, expected=decision.waiting + 1,
+                         **({"error": r.error} if not r.ok else {}),
+                         **({"dropped": list(r.report.dropped)} if r.report.dropped else {}))
         s.round += 1
         s.waiting_for_round = -1
         self.publish()
@@ -158,7 +171,8 @@ class RegionRound:
         if admitted is not None:  # an admitting region: only the members whose records the barrier admitted
             self.averager.set_admitted(admitted)
         result = self.averager.run_round(payload, weight=weight, gather=dict(
-            label=self.label, weight=weight, tokens=s.tokens_since_round, round=s.round, world=s.world_round))
+            label=self.label, weight=weight, tokens=s.tokens_since_round, round=s.round, world=s.world_round,
+            outbound=self.outbound))
         if result.ok and not all(bool(torch.isfinite(t).all()) for t in result.averaged):
             result = dataclasses.replace(result, ok=False, averaged=None,
                                          error="the group's average is not finite (a peer sent NaN/inf)")
@@ -198,8 +212,12 @@ class RegionRound:
         return f" ({str(label)[:40]!r})" if label else ""
 
     # ------------------------------------------------------------------ step 3: apply
-    def apply(self, a: Averaged) -> Outcome:
+    def apply(self, a: Averaged, *, expected: int | None = None) -> Outcome:
+        """``expected``: the peers (this one included) that waited for the round at the barrier; a
+        smaller group, or a sender dropped by this peer's reducer, makes the round partial."""
         s, result = self.stats, a.result
+        lost = lost_parts(group_size=result.group_size, expected=expected, target=self.averaging.target_group_size,
+                          dropped=result.report.dropped) if result.ok else []
         mix, new = None, a.new
         if result.ok and self.rule.evidence:
             new, mix = self.member.mix_safely(lambda: rounds.member_mix(self.rule, own=a.pre, agreed=a.agreed,
@@ -209,7 +227,9 @@ class RegionRound:
             self.state.momentum = a.momentum
             self.member.set(new)
             self.state.anchor = a.agreed
-            sent, received = aggregation.allreduce_traffic(self.payload_bytes, result.group_size)
+            clients = sum(1 for g in result.gathered.values() if isinstance(g, dict) and g.get("outbound") is True)
+            sent, received = aggregation.allreduce_traffic(self.payload_bytes, result.group_size, clients=clients,
+                                                           client=self.outbound)
             s.count_round(group_size=result.group_size, seconds=result.seconds, sent=sent, received=received)
             if s.seconds_to_first_round is None:
                 s.seconds_to_first_round = time.monotonic() - self.started
@@ -219,8 +239,13 @@ class RegionRound:
                 logger.warning("round %d: members had adopted different world rounds (%s); the group's average "
                                "mixes them", s.round, sorted(w for w in worlds if isinstance(w, int)))
             self.on_averaged(result)
-            logger.info("round %d: averaged with %d peers in %.2fs (weight %.0f)", s.round, result.group_size,
-                        result.seconds, a.weight)
+            if lost:
+                s.rounds_partial += 1
+                logger.warning("round %d: averaged with %d peers in %.2fs (weight %.0f), partial: %s", s.round,
+                               result.group_size, result.seconds, a.weight, "; ".join(lost))
+            else:
+                logger.info("round %d: averaged with %d peers in %.2fs (weight %.0f)", s.round, result.group_size,
+                            result.seconds, a.weight)
         else:
             s.rounds_failed += 1
             logger.warning("round %d: all-reduce failed (%s); keeping the local model", s.round, result.error)
@@ -228,7 +253,21 @@ class RegionRound:
                                                 agreed=self.state.anchor if result.ok else None,
                                                 mix_lam=mix.lam if mix is not None else None,
                                                 gathered=result.gathered, post=self.member.params()))
-        return Outcome.AVERAGED if result.ok else Outcome.FAILED
+        if not result.ok:
+            return Outcome.FAILED
+        return Outcome.PARTIAL if lost else Outcome.AVERAGED
+
+
+def lost_parts(*, group_size: int, expected: int | None, target: int, dropped: tuple[str, ...] = ()) -> list[str]:
+    """Why a round whose average was taken is partial (empty: complete). ``expected``: the peers, this
+    one included, that waited for it at the barrier (the group holds at most ``target`` of them);
+    ``dropped``: senders this peer's reducer averaged without."""
+    lost = []
+    if expected is not None and group_size < min(expected, target):
+        lost.append(f"{min(expected, target) - group_size} of the {expected} peers that waited were not in the group")
+    if dropped:
+        lost.append(f"this peer's reducer dropped the part of {', '.join(dropped)}")
+    return lost
 
 
 def gathered_tokens(result: RoundResult) -> float:

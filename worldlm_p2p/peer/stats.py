@@ -36,6 +36,9 @@ class PeerStats:
     round: int = _stat(0, summary=False)  # next region round index
     rounds_completed: int = _stat(0)
     rounds_failed: int = _stat(0)
+    # of rounds_completed, those that lost a part: a member that waited at the barrier was not in the
+    # group, or this peer's reducer dropped a sender's part (the group still agrees on its average)
+    rounds_partial: int = _stat(0)
     group_sizes: list[int] = _stat(factory=list)
     round_seconds: list[float] = _stat(ckpt=False, factory=list)
     first_train_loss: float | None = _stat(None)

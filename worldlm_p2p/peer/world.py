@@ -55,8 +55,10 @@ class WorldRounds:
                  peer_id: str, rule: rounds.RoundRule, state: RegionState, stats: PeerStats, member: Member,
                  server: StateServer, trace: Callable[[str, dict], None], stopping: Callable[[], bool],
                  events: EventLog, admitted: Callable[[], set[str] | None] = lambda: None,
-                 run_admitted: Callable[[], dict[str, str] | None] = lambda: None) -> None:
-        """``admitted()``: the peers that may lead this region (None: an open region);
+                 run_admitted: Callable[[], dict[str, str] | None] = lambda: None, outbound: bool = False) -> None:
+        """``outbound``: this peer is outbound-only and never stands for its region's lease (a leader
+        must be reachable by the other leaders and by its region); ``admitted()``: the peers that may
+        lead this region (None: an open region);
         ``run_admitted()``: the peers of the run that may take part in world rounds, peer id -> the
         region it is admitted to (None: anyone)."""
         self.dht, self.validators, self.dht_lock = dht, validators, dht_lock
@@ -73,7 +75,8 @@ class WorldRounds:
         self.lease = LeaderLease(dht=dht, validators=validators, run_id=m.run_id, region=config.region,
                                  peer_id=peer_id, fingerprint=m.fingerprint(), ttl=m.averaging.leader_ttl,
                                  lock=dht_lock, world_round=stats.world_round, admitted=admitted)
-        if state.border is not None and state.world_ref is None:
+        self.outbound = outbound
+        if outbound or (state.border is not None and state.world_ref is None):
             # a late joiner does not know the last world model, the reference of border deltas:
             # it may lead only after it has adopted a world round
             self.lease.eligible = False
@@ -220,7 +223,7 @@ class WorldRounds:
         self.state.rebase(known.delta)
         if self.state.border is not None and known.reference is not None:
             self.state.set_world_reference(rounds.border_shared(self.rule), known.reference)
-            self.lease.eligible = True
+            self.lease.eligible = not self.outbound
         s.world_round, s.world_rounds_adopted = known.world_round, s.world_rounds_adopted + 1
         self.lease.world_round = max(self.lease.world_round, known.world_round)
         self.server.publish()
