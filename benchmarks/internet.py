@@ -15,10 +15,11 @@ masquerade their LAN and drop unsolicited inbound packets). Scenarios:
 Reported per scenario: region round time (median, p90) over the rounds that averaged, the share of
 region-round attempts that were complete (every member that waited was in the group and no part
 was dropped), the time from start to the first averaged round, world rounds, what each peer's
-reachability check found, and **bytes on the wire** per peer (the kernel's counters of the
-peer's namespace interface: everything its processes, p2pd included, sent and received) against
-the analytic estimate the peer reports (``bytes_sent + bytes_received`` of its summary: the
-all-reduce payloads only).
+reachability check found, and **bytes on the wire** per peer: the kernel's counters of the
+peer's namespace interface (everything its processes, p2pd included, sent and received, headers
+included), what the peer measured itself (``wire_sent + wire_received`` of its summary: the TCP
+counters of its own processes' sockets, :mod:`worldlm_p2p.net.wire`), and the analytic estimate
+it reports (``bytes_sent + bytes_received``: the all-reduce payloads only).
 
     sudo python benchmarks/internet.py [--scenarios public nat forward] [--steps 60] [--out benchmarks/out/internet.json]
 
@@ -188,6 +189,7 @@ def run_scenario(net: Internet, name: str, workdir: Path, *, steps: int, trace: 
             group_sizes=s.get("group_sizes", []), seconds_to_first_round=s.get("seconds_to_first_round"),
             world_rounds_led=s.get("world_rounds_led", 0), world_rounds_adopted=s.get("world_rounds_adopted", 0),
             wire_sent=sent, wire_received=received,
+            measured_sent=s.get("wire_sent", -1), measured_received=s.get("wire_received", -1),
             estimate=int(s.get("bytes_sent", 0)) + int(s.get("bytes_received", 0)) + int(s.get("bytes_sent_border", 0)),
             tokens=s.get("tokens", 0), valid_loss=s.get("valid_loss"))
     return out
@@ -202,22 +204,24 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def table(results: list[dict]) -> str:
     lines = ["| scenario | peer | region | reachability (check) | round s, median / p90 | complete / attempts "
-             "| partial | failed | first round s | world led / adopted | wire MB sent + received | estimate MB "
-             "| wire / estimate |",
-             "|---|---|---|---|---|---|---:|---:|---:|---|---:|---:|---:|"]
+             "| partial | failed | first round s | world led / adopted | interface MB sent + received "
+             "| peer-measured MB | estimate MB | interface / estimate |",
+             "|---|---|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
     for res in results:
         for host, p in res["peers"].items():
             med, p90 = _pct(p["round_seconds"], 0.5), _pct(p["round_seconds"], 0.9)
             wire = p["wire_sent"] + p["wire_received"]
             ratio = f"{wire / p['estimate']:.2f}x" if p["estimate"] else "-"
             first = p["seconds_to_first_round"]
+            measured = (f"{(p['measured_sent'] + p['measured_received']) / 1e6:.2f}"
+                        if p.get("measured_sent", -1) >= 0 else "-")
             lines.append(
                 f"| {res['scenario']} | {host} | {p['region']} | {p['reachability']} ({p['check']}) | "
                 + (f"{med:.2f} / {p90:.2f}" if med is not None else "-")
                 + f" | {p['complete']} / {p['attempts']} | {p['partial']} | {p['failed']} | "
                 + (f"{first:.1f}" if first is not None else "-")
                 + f" | {p['world_rounds_led']} / {p['world_rounds_adopted']} | {p['wire_sent'] / 1e6:.2f} + "
-                f"{p['wire_received'] / 1e6:.2f} | {p['estimate'] / 1e6:.2f} | {ratio} |")
+                f"{p['wire_received'] / 1e6:.2f} | {measured} | {p['estimate'] / 1e6:.2f} | {ratio} |")
     return "\n".join(lines)
 
 

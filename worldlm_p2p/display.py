@@ -150,5 +150,7 @@ def monitor_view(snapshot: Mapping[str, Any]) -> RenderableType:
     if not t["peers"]:
         parts.append(Text("no peer of this run is online", style="yellow"))
     parts.append(Text(f"{t['peers_online']} peers online in {t['regions']} regions · {t['tokens_per_s']:,.0f} tokens/s · "
-                      f"{t['tokens']:,} tokens trained · {_bytes(t['bytes_sent'])} sent", style="bold"))
+                      f"{t['tokens']:,} tokens trained · {_bytes(t['bytes_sent'])} sent (all-reduce estimate)"
+                      + (f" · {_bytes(t['wire_sent'])} on the wire (measured)" if t.get("wire_sent") is not None else ""),
+                      style="bold"))
     return Group(*parts)

@@ -56,8 +56,19 @@ def test_snapshot_by_hand():
     # without a manifest every fingerprint counts, so na's lease of "other" elects Qmzz
     assert na["leader"] == "Qmzz" and na["leader_label"] is None
     assert na["peers_online"] == 0 and na["tokens_per_s"] == 0.0 and na["peers"][0]["status"] == "finished"
-    assert snap["totals"] == dict(regions=2, peers=3, peers_online=2, tokens=4000, tokens_per_s=150.0, bytes_sent=600)
+    assert snap["totals"] == dict(regions=2, peers=3, peers_online=2, tokens=4000, tokens_per_s=150.0, bytes_sent=600,
+                                  wire_sent=None)  # (no peer measured its bytes on the wire)
     json.dumps(snap)  # JSON-able as is
+    # measured bytes on the wire: summed over the peers that measured them, next to the estimate
+    import dataclasses
+
+    measured = [dataclasses.replace(_rec("eu-a", "eu"), wire_sent=1500, wire_received=1400, reachability="outbound",
+                                    rounds_partial=1), _rec("eu-b", "eu")]
+    snap = build_snapshot(measured, [], run_id="r", now=100.0, dht_now=100.0)
+    a, b = snap["regions"]["eu"]["peers"]
+    assert (a["wire_sent"], a["wire_received"], b["wire_sent"]) == (1500, 1400, None)
+    assert a["reachability"] == "outbound" and b["reachability"] is None and a["rounds_partial"] == 1
+    assert snap["totals"]["wire_sent"] == 1500 and snap["totals"]["bytes_sent"] == 20
     assert short_id("12D3KooWabcdef123456") == "…123456"
 
 

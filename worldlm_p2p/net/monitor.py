@@ -34,13 +34,14 @@ plain JSON-able dict; this is the schema ``worldlm-monitor --once --json`` print
              "epsilon": null, "border_epsilon": null, "border_releases": null,
              "mix_region": 0.06 | null,    # evidence mixing: mean weight it took of the region's model
              "mix_world": 0.02 | null,     # and of the world's changes, over its last 8 choices
-             "bytes_sent": 123456, "bytes_received": 120000,
+             "bytes_sent": 123456, "bytes_received": 120000,   # the all-reduce estimate
+             "wire_sent": 140000 | null, "wire_received": 135000 | null,  # measured (kernel TCP counters)
              "last_group_size": 2, "loss_trend": [3.1, 2.8, 2.6]}
           ]
         }
       },
       "totals": {"regions": 2, "peers": 4, "peers_online": 4, "tokens": 153600,
-                 "tokens_per_s": 1625.0, "bytes_sent": 493824}
+                 "tokens_per_s": 1625.0, "bytes_sent": 493824, "wire_sent": 560000 | null}
     }
 
 A peer that dies disappears once its progress record expires (the peer's ``progress_ttl``,
@@ -126,6 +127,8 @@ def build_snapshot(progress: Sequence[ProgressRecord], leases: Sequence[LeaseRec
                 border_releases=r.border_releases if r.border_epsilon >= 0 and r.border_releases >= 0 else None,
                 mix_region=r.mix_region if r.mix_region >= 0 else None,
                 mix_world=r.mix_world if r.mix_world >= 0 else None, bytes_sent=r.bytes_sent,
+                wire_sent=r.wire_sent if r.wire_sent >= 0 else None,
+                wire_received=r.wire_received if r.wire_received >= 0 else None,
                 bytes_received=r.bytes_received, last_group_size=r.last_group_size,
                 loss_trend=list(r.loss_trend)))
         online = [p for p in peers if not p["finished"]]
@@ -155,6 +158,8 @@ def build_snapshot(progress: Sequence[ProgressRecord], leases: Sequence[LeaseRec
         tokens=sum(v["tokens"] for v in regions.values()),
         tokens_per_s=sum(v["tokens_per_s"] for v in regions.values()),
         bytes_sent=sum(p["bytes_sent"] for v in regions.values() for p in v["peers"]),
+        wire_sent=sum(p["wire_sent"] for v in regions.values() for p in v["peers"] if p["wire_sent"] is not None)
+        if any(p["wire_sent"] is not None for v in regions.values() for p in v["peers"]) else None,
     )
     about = None
     if manifest is not None:

@@ -80,6 +80,8 @@ class ProgressRecord:
     # told to act as direct), "unknown", "" (not checked / an older peer: taken as direct)
     reachability: str = ""
     rounds_partial: int = 0  # of rounds_completed, those that lost a part
+    wire_sent: int = -1  # measured TCP bytes of the peer's processes since it started (-1: not measured)
+    wire_received: int = -1
     # not on the wire: the peer id of the key that signed the record in the DHT (set by the reader)
     signer: str | None = field(default=None, compare=False)
 
@@ -107,6 +109,7 @@ class ProgressRecord:
         d["state_digest"] = str(d["state_digest"])[:64]
         d["reachability"] = str(d["reachability"])[:16]
         d["rounds_partial"] = max(0, int(d["rounds_partial"]))
+        d["wire_sent"], d["wire_received"] = max(-1, int(d["wire_sent"])), max(-1, int(d["wire_received"]))
         return d
 
     @classmethod

@@ -65,6 +65,8 @@ class _ProgressModel(pydantic.BaseModel):
     state_digest: pydantic.constr(strict=True, max_length=64) = ""  # its digest (codec.state_digest)
     reachability: pydantic.constr(strict=True, max_length=16) = ""  # direct / outbound / not-direct / unknown
     rounds_partial: _Count = 0
+    wire_sent: pydantic.conint(strict=True, ge=-1) = -1  # measured bytes on the wire (-1: not measured)
+    wire_received: pydantic.conint(strict=True, ge=-1) = -1
 
     class Config:
         extra = pydantic.Extra.forbid

@@ -55,6 +55,9 @@ class Peer:
         self._dht_lock = threading.Lock()
         self._started = time.monotonic()
         self.events = EventLog(config.events_path)
+        from worldlm_p2p.net.wire import WireMeter
+
+        self._wire = WireMeter()  # from the start: the sockets of joining count too
         self._net = self._averager = self._world = self._progress = self._member = self._state = None
 
     def stop(self) -> None:
@@ -94,7 +97,7 @@ class Peer:
             peer_id=self.peer_id, label=self.label, stats=self.stats, state=self._state, epsilon=self._epsilon,
             is_leader=lambda: self._world is not None and self._world.is_leader(), finished=self._stop,
             admission=net.admission, certificate=net.certificate, manifest_record=net.manifest_record,
-            reachability=net.reachability_status)
+            reachability=net.reachability_status, wire=self._wire)
         others = lambda: progress.region_records(everyone=self.rule.world_group)  # noqa: E731
         self._averager = RegionAverager(tensors=template, dht=net.dht, run_id=m.run_id,
                                         region=ALL_REGIONS if self.rule.world_group else cfg.region,
@@ -235,6 +238,8 @@ class Peer:
     # ------------------------------------------------------------------ summary and shutdown
     def summary(self, *, final_eval: bool = False) -> dict[str, Any]:
         m, border = self.manifest, self._state.border if self._state else None
+        if self._progress is not None:
+            self._progress.measure_wire()
         out = dict(self.stats.summary_view(), region=self.config.region, label=self.label, peer_id=self.peer_id,
                    data=str(self.config.data),
                    tokens_per_s=self._progress.record().tokens_per_s if self._progress else 0.0,

@@ -28,12 +28,13 @@ class Progress:
     def __init__(self, *, dht, validators, dht_lock: threading.Lock, config: PeerConfig, manifest: RunManifest,
                  peer_id: str, label: str, stats: PeerStats, state: RegionState, epsilon: Callable[[], float],
                  is_leader: Callable[[], bool], finished: threading.Event, admission: RegionAdmission,
-                 certificate: dict | None, manifest_record=None, reachability: str = "") -> None:
+                 certificate: dict | None, manifest_record=None, reachability: str = "", wire=None) -> None:
         self.dht, self.validators, self.dht_lock = dht, validators, dht_lock
         self.config, self.manifest, self.peer_id, self.label = config, manifest, peer_id, label
         self.stats, self.state, self.epsilon, self.is_leader, self.finished = stats, state, epsilon, is_leader, finished
         self.admission, self.certificate = admission, certificate
         self.reachability = reachability  # what this peer tells the swarm of how it is reached (joining.Network)
+        self.wire = wire  # a net.wire.WireMeter: the bytes this peer's processes really sent and received
         self.manifest_record = manifest_record  # kept alive in the DHT by this peer too (signed by the run key)
         self._manifest_published = time.monotonic()  # joining.connect stored the first copy
         self.train_started: float | None = None
@@ -60,7 +61,7 @@ class Progress:
             border_releases=border.releases if border is not None else -1,
             mix_region=s.recent_mix("region"), mix_world=s.recent_mix("world"), certificate=self.certificate,
             state_round=s.state_round, state_digest=s.state_digest, reachability=self.reachability,
-            rounds_partial=s.rounds_partial)
+            rounds_partial=s.rounds_partial, wire_sent=s.wire_sent, wire_received=s.wire_received)
 
     @contextlib.contextmanager
     def _dht(self, timeout: float):
@@ -144,8 +145,21 @@ class Progress:
         self._thread = threading.Thread(target=self._loop, name="progress", daemon=True)
         self._thread.start()
 
+    def measure_wire(self) -> None:
+        """Read the kernel's TCP counters of this peer's processes into its stats (no-op without a meter)."""
+        if self.wire is None:
+            return
+        try:
+            measured = self.wire.sample()
+        except Exception as e:  # never fail the peer for a measurement
+            logger.debug("could not measure the bytes on the wire: %s", e)
+            measured = None
+        if measured is not None:
+            self.stats.wire_sent, self.stats.wire_received = measured
+
     def _loop(self) -> None:
         while not self.finished.wait(self.config.progress_interval):
+            self.measure_wire()
             self.publish()
 
     def join(self, timeout: float) -> None:

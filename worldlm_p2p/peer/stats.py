@@ -45,6 +45,10 @@ class PeerStats:
     last_train_loss: float = _stat(float("nan"))
     bytes_sent: int = _stat(0)
     bytes_received: int = _stat(0)
+    # measured: the kernel's TCP byte counters of this peer's processes, p2pd included, since it
+    # started (worldlm_p2p.net.wire; -1: not measured); bytes_sent/received above are the estimate
+    wire_sent: int = _stat(-1, ckpt=False)
+    wire_received: int = _stat(-1, ckpt=False)
     waiting_for_round: int = _stat(-1, ckpt=False, summary=False)
     # what this peer serves: the round of its region's agreed model and that model's digest
     # (worldlm_p2p.codec.state_digest), so that a joiner can check a download against the region
