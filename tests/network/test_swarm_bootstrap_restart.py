@@ -1,5 +1,6 @@
 """A bootstrap node restarted mid-run (same identity, same address) rejoins the swarm it served:
-it remembered the peers it was connected to and dials those that answer. Before, it started a
+it remembered the peers it was connected to and dials those that answer; and without that memory
+(a node rebuilt from its identity alone) the running peers re-dial it. Before, it started a
 second, empty swarm: a newcomer through it trained alone, and the monitor through it saw no peer
 (issue 13)."""
 
@@ -29,7 +30,8 @@ def _bootstrap(procs, tmp, port: int, n: int):
     return p, [t for t in line.split() if "/p2p/" in t]
 
 
-def test_a_restarted_bootstrap_rejoins_its_swarm_and_newcomers_through_it_average(procs, tmp_path):
+@pytest.mark.parametrize("memory", [True, False], ids=["remembers-peers", "peers-redial"])
+def test_a_restarted_bootstrap_rejoins_its_swarm_and_newcomers_through_it_average(procs, tmp_path, memory):
     (tmp_path / "logs").mkdir()
     (tmp_path / "run.toml").write_text(fast_run("rejoin", inner_steps=5))
     port = _free_port()
@@ -44,9 +46,11 @@ def test_a_restarted_bootstrap_rejoins_its_swarm_and_newcomers_through_it_averag
 
     boot.send_signal(signal.SIGTERM)
     assert boot.wait(timeout=30) == 0, log_tail(tmp_path, "bootstrap-0")
+    if not memory:
+        peers_file.unlink()
     boot, again = _bootstrap(procs, tmp_path, port, 1)
     assert again == maddrs  # same identity and address: the peers' --initial-peers still name it
-    assert "rejoining" in (tmp_path / "logs" / "bootstrap-1.log").read_text()
+    assert ("rejoining" in (tmp_path / "logs" / "bootstrap-1.log").read_text()) == memory
 
     # the monitor through the restarted node lists the running peers
     reader = ProgressReader(maddrs, "rejoin")
@@ -54,6 +58,8 @@ def test_a_restarted_bootstrap_rejoins_its_swarm_and_newcomers_through_it_averag
         wait_for(lambda: {"a", "b"} <= set(reader.by_label()), 60, "the running peers, through the restarted node")
     finally:
         reader.close()
+    if not memory:  # (they re-dial every 15 s)
+        assert any("reconnected to bootstrap node" in (tmp_path / "logs" / f"{x}.log").read_text() for x in "ab")
     # a newcomer through it averages with the running peers
     c = start_peer(procs, tmp_path, maddrs, region="eu", sub="nl_news", label="c", max_steps=many)
     wait_for(lambda: any(t["ok"] and {"a", "b"} & {g["label"] for g in t["gathered"].values()}

@@ -210,3 +210,47 @@ def start_dht(net: NetConfig, *, record_validators: Sequence = (), client_mode: 
 def visible_maddrs(dht) -> list[str]:
     """The full multiaddrs (with /p2p/<peer id>) that other processes can use as initial peers."""
     return [str(m) for m in dht.get_visible_maddrs(latest=True)]
+
+
+async def _redial(_dht, node, *, maddrs: list[str], timeout: float) -> list[str]:  # runs in the DHT process
+    """Connect to and ping each of ``maddrs`` (full, with ``/p2p/<id>``) whose peer this node has no
+    connection to; returns the ones that answered. The ping makes the other side's DHT node learn
+    this one again (a server-mode node only: a client stays out of routing tables)."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+
+    connected = {str(info.peer_id) for info in await node.p2p.list_peers()}
+    wanted: dict[str, list[str]] = {}
+    for m in maddrs:
+        addr, _, pid = str(m).rpartition("/p2p/")
+        if pid and pid != str(node.peer_id) and pid not in connected:
+            wanted.setdefault(pid, []).append(addr)
+
+    async def one(pid: str, addrs: list[str]) -> bool:
+        try:
+            peer = PeerID.from_base58(pid)
+            await asyncio.wait_for(node.p2p._client.connect(peer, [Multiaddr(a) for a in addrs]), timeout)
+            return await asyncio.wait_for(node.protocol.call_ping(peer), timeout) is not None
+        except Exception as e:
+            logger.debug("re-dialling %s failed: %s: %s", pid, type(e).__name__, e)
+            return False
+
+    results = await asyncio.gather(*(one(pid, addrs) for pid, addrs in wanted.items()))
+    return [f"{addrs[0]}/p2p/{pid}" for (pid, addrs), ok in zip(wanted.items(), results) if ok]
+
+
+def redial(dht, maddrs: Sequence[str], *, timeout: float = 5.0) -> list[str]:
+    """Re-dial the bootstrap nodes this process was given and is no longer connected to (a node that
+    restarted, or came back after an outage), so that it finds the swarm again even when it kept no
+    memory of its peers. Returns the ones reached again; never raises."""
+    import functools
+
+    if not maddrs:
+        return []
+    try:
+        call = functools.partial(_redial, maddrs=list(maddrs), timeout=timeout)
+        return dht.run_coroutine(call, return_future=True).result(timeout=3 * timeout)
+    except Exception as e:
+        logger.debug("re-dialling the bootstrap nodes failed: %s: %s", type(e).__name__, e)
+        return []

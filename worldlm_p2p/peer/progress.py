@@ -24,6 +24,8 @@ DHT_WAIT = 10.0  # seconds the main thread waits for the DHT lock before it skip
 DHT_WAIT_STOPPING = 2.0  # ... once the peer is stopping
 
 
+REDIAL_EVERY = 15.0  # seconds between re-dials of the bootstrap nodes a peer is no longer connected to
+
 class Progress:
     def __init__(self, *, dht, validators, dht_lock: threading.Lock, config: PeerConfig, manifest: RunManifest,
                  peer_id: str, label: str, stats: PeerStats, state: RegionState, epsilon: Callable[[], float],
@@ -140,10 +142,23 @@ class Progress:
         return out
 
     def start(self) -> None:
-        """Publish now and then every ``progress_interval`` seconds until ``finished`` is set."""
+        """Publish now and then every ``progress_interval`` seconds until ``finished`` is set; and
+        re-dial the bootstrap nodes every ``REDIAL_EVERY`` seconds (their own thread)."""
         self.publish()
         self._thread = threading.Thread(target=self._loop, name="progress", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._redial_loop, name="redial", daemon=True).start()
+
+    def _redial_loop(self) -> None:
+        """A bootstrap node that restarted (or was away) knows nobody until someone dials it: every
+        peer re-dials the ``--initial-peers`` it is no longer connected to, so that the node, the
+        monitor and newcomers through it see the running swarm again."""
+        from worldlm_p2p.net.dht import redial
+
+        while not self.finished.wait(REDIAL_EVERY):
+            back = redial(self.dht, self.config.net.initial_peers)
+            if back:
+                logger.info("reconnected to bootstrap node(s) %s", ", ".join(back))
 
     def measure_wire(self) -> None:
         """Read the kernel's TCP counters of this peer's processes into its stats (no-op without a meter)."""
