@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fast_run import fast_run, peer_env  # noqa: E402
+from fast_run import fast_run, peer_env, read_events  # noqa: E402
 
 DEMO = REPO / "worldlm_p2p" / "demo_data"
 
@@ -49,17 +49,7 @@ def _env() -> dict[str, str]:
     return peer_env()
 
 
-def _events(path: Path) -> list[dict]:
-    out = []
-    try:
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass  # a line cut by SIGKILL
-    except OSError:
-        pass
-    return out
+_events = read_events
 
 
 class Member:

@@ -33,3 +33,49 @@ def peer_env() -> dict[str, str]:
     e = dict(os.environ)
     e.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", WORLDLM_LOGLEVEL="INFO")
     return e
+
+
+def read_events(path) -> list[dict]:
+    """A peer's ``--events`` log as a list (lines cut by a SIGKILL skipped; [] if unreadable)."""
+    import json
+    from pathlib import Path
+
+    out = []
+    try:
+        for line in Path(path).read_text(errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass  # a line cut by SIGKILL
+    except OSError:
+        pass
+    return out
+
+
+def stop_all(procs, *, grace: float = 20.0) -> None:
+    """SIGTERM every still-running process (each the leader of its own session), wait up to
+    ``grace`` seconds in all, then SIGKILL whatever is left of their process groups (p2pd included)."""
+    import signal
+    import subprocess
+    import time
+
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass

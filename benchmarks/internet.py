@@ -31,9 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,7 +39,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fast_run import fast_run, peer_env  # noqa: E402
+from fast_run import fast_run, peer_env, read_events, stop_all  # noqa: E402
 from netns_internet import Internet, unavailable  # noqa: E402
 
 DEMO = REPO / "worldlm_p2p" / "demo_data"
@@ -78,17 +75,7 @@ def iface_bytes(net: Internet, host: str) -> tuple[int, int]:
     return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
 
-def events(path: Path) -> list[dict]:
-    out = []
-    try:
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    except OSError:
-        pass
-    return out
+events = read_events
 
 
 def _wait_training(workdir: Path, hosts: list[str], *, deadline: float) -> None:
@@ -153,22 +140,7 @@ def run_scenario(net: Internet, name: str, workdir: Path, *, steps: int, trace: 
         elapsed = time.monotonic() - t0
         after = {host: iface_bytes(net, host) for host, _, _ in peers}
     finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        end = time.monotonic() + 15
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        stop_all(procs, grace=15.0)
     out = dict(scenario=name, steps=steps, seconds=round(elapsed, 1), peers={})
     for host, region, _ in peers:
         try:

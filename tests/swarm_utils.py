@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +14,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from fast_run import fast_run as _fast_run  # noqa: E402
-from fast_run import peer_env  # noqa: E402
+from fast_run import peer_env, stop_all  # noqa: E402
 
 DEMO = REPO / "worldlm_p2p" / "demo_data"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -47,26 +45,7 @@ class Procs:
         return p
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    p.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 20
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+        stop_all(self.procs)
 
 
 def wait_for(cond: Callable[[], object], timeout: float, what: str, poll: float = 0.5):
