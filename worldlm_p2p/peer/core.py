@@ -133,7 +133,7 @@ class Peer:
             before_average=world.maybe_adopt if world else lambda: None,
             on_averaged=(lambda result: world.count(gathered_tokens(result))) if world else lambda result: None,
             on_alone=self._region_of_one,
-            on_refresh=lambda missed: joining.refresh_joined_anchor(missed, **parts),
+            on_refresh=lambda missed, why: joining.resync_anchor(missed, why, **parts),
             admitted=lambda: progress.admitted, banned=progress.banned, outbound=net.outbound)
         progress.start()
 

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from worldlm_p2p import rounds
+from worldlm_p2p.codec import state_digest
 from worldlm_p2p.config import PeerConfig, RunManifest, manifest_conflicts, privacy_violations
 from worldlm_p2p.errors import ConfigError, DataError, ManifestError
 from worldlm_p2p.net import records
@@ -313,16 +314,28 @@ def late_join(config: PeerConfig, *, others: list, rule: rounds.RoundRule, membe
     logger.info("loaded the region model of round %d from a peer", stats.round)
 
 
-def refresh_joined_anchor(missed: int, *, config: PeerConfig, rule: rounds.RoundRule, member: Member,
-                          state: RegionState, stats: PeerStats, server: StateServer,
-                          admitted: Callable[[], set[str] | None] = lambda: None,
-                          fetch_others: Callable[[], list] | None = None) -> None:
-    """A peer that joined from the region's state and then finds the region ahead of it at its
-    first barrier (the region's lone peer held region rounds of one while this one started) holds
-    a stale anchor; every member of a round must hold the same one (the reference of the K
-    attention and of the pure round), so it downloads the region's current agreed model again.
-    Its own model, trained meanwhile, is kept: that is its contribution."""
+def resync_anchor(missed: int, why: str, *, config: PeerConfig, rule: rounds.RoundRule, member: Member,
+                  state: RegionState, stats: PeerStats, server: StateServer,
+                  admitted: Callable[[], set[str] | None] = lambda: None,
+                  fetch_others: Callable[[], list] | None = None) -> bool:
+    """Take the region's current agreed model (and outer momentum) as this peer's anchor again.
+
+    Every member of a round must hold the same anchor: the reference of the K attention and of
+    the outer step, and the model the region serves to late joiners. A peer holds a stale one when
+    the region went ahead of it (it joined while the region's lone peer held rounds of one, or it
+    missed rounds), or when its last round failed on its side only (a reducer timed out for it)
+    while the others took theirs. Its own model, trained meanwhile, is kept: that is its
+    contribution. True when a newer anchor was taken (a state served for a round before this
+    peer's own is not newer: when every member failed the round, they all still hold the old one)."""
     if fetch_others is not None:
+        allowed = admitted()
+        newer = [r for r in fetch_others() if not r.finished and r.state_digest and r.state_round >= stats.round
+                 and (allowed is None or r.peer_id in allowed)]
+        if not newer:  # nobody serves a newer state: no download (and no wait for one)
+            logger.debug("round %d: no region state newer than this peer's anchor (%s)", stats.round, why)
+            return False
+        if missed == 0 and all(r.state_digest == state_digest(state.anchor) for r in newer):
+            return False  # the region's agreed model is this peer's anchor already
         served = server.download_verified(timeout=config.join_state_timeout, fetch_others=fetch_others,
                                           admitted=admitted)
     else:
@@ -330,8 +343,13 @@ def refresh_joined_anchor(missed: int, *, config: PeerConfig, rule: rounds.Round
         served = server.download_region(timeout=config.join_state_timeout,
                                         peers=sorted(peers) if peers is not None else None)
     if served is None or served.round < stats.round:
-        return  # not newer than what this peer holds
+        logger.debug("round %d: no region state newer than this peer's anchor (%s)", stats.round, why)
+        return False
     state.anchor, state.momentum = region_model(served, rule=rule, member=member), served.momentum or None
-    logger.info("the region moved %d round(s) ahead while this peer joined: took its agreed model of "
-                "round %d as the reference", missed, served.round)
-
+    if missed > 0:
+        logger.info("the region moved %d round(s) ahead of this peer: took its agreed model of round %d as "
+                    "the reference", missed, served.round)
+    else:
+        logger.info("round %d: %s; took the region's agreed model of round %d as the reference", stats.round, why,
+                    served.round)
+    return True

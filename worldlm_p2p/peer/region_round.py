@@ -95,12 +95,14 @@ class RegionRound:
                  started: float, payload_bytes: int, fetch_others: Callable[[], list], publish: Callable[[], None],
                  stopping: Callable[[], bool], trace: Callable[[str, dict], None],
                  before_average: Callable[[], None], on_averaged: Callable[[RoundResult], None],
-                 on_alone: Callable[[bool], None], on_refresh: Callable[[int], None], events: EventLog,
+                 on_alone: Callable[[bool], None], on_refresh: Callable[[int, str], None], events: EventLog,
                  admitted: Callable[[], set[str] | None] = lambda: None, banned: set[str] | None = None,
                  outbound: bool = False) -> None:
         """``before_average()``: world changes due are adopted there; ``on_averaged(result)``: counts
         the round towards world rounds; ``on_alone(no_live_peer)``: the region of one;
-        ``on_refresh(missed)``: a peer that joined from the region's state finds the region ahead;
+        ``on_refresh(missed, why)``: this peer's anchor may be stale (the region went ``missed``
+        rounds ahead of it, or its last round failed here while others may have taken theirs): it
+        takes the region's current agreed model as its reference again, keeping its own model;
         ``admitted()``: the peers this one may average with (None: an open region); ``banned``: the
         set of banned peers, which this round adds to (shared with the barrier's record reader);
         ``outbound``: this peer is outbound-only (a round needs a member others can dial)."""
@@ -113,6 +115,7 @@ class RegionRound:
         self.events, self.admitted, self.outbound = events, admitted, outbound
         self.strikes = Strikes(ban_after=averaging.ban_after, banned=banned)
         self._was_alone = False
+        self._failed_last = False  # the last round failed here: the others may hold a newer anchor
 
     def run(self) -> Outcome:
         s = self.stats
@@ -125,9 +128,12 @@ class RegionRound:
                                            timeout=self.averaging.barrier_timeout, should_stop=self.stopping,
                                            outbound=self.outbound)
         missed, s.round = decision.round - s.round, decision.round
-        if (missed > 0 and s.rounds_completed == 0 and s.started_from == "region"
-                and decision.action is not barrier.Action.ALONE and not self.stopping()):
-            self.on_refresh(missed)
+        if (missed > 0 or self._failed_last) and decision.action is not barrier.Action.ALONE and not self.stopping():
+            # every member of a round must hold the same anchor (the reference of the K attention, of
+            # the outer step and of the pure round); a peer that the region went ahead of, or whose
+            # last round failed on its side only, takes the region's current one
+            self.on_refresh(missed, "the region went ahead" if missed > 0 else "its last round failed here")
+            self._failed_last = False
         if decision.action is barrier.Action.ALONE or self.stopping():
             outcome = Outcome.STOPPED if self.stopping() else Outcome.ALONE
             if outcome is Outcome.ALONE:
@@ -151,6 +157,7 @@ class RegionRound:
         averaged = self.average(self.member.params(), waiting=decision.waiting)
         self.judge(averaged.result)
         outcome = self.apply(averaged, expected=decision.waiting + 1)
+        self._failed_last = outcome is Outcome.FAILED
         r = averaged.result
         self.events.emit("round", round=s.round, outcome=outcome.value, group_size=r.group_size,
                          seconds=round(r.seconds, 4), step=s.step, expected=decision.waiting + 1,

@@ -1,0 +1,104 @@
+"""A member whose anchor went stale takes the region's current one (peer.joining.resync_anchor).
+
+Every member of a round must hold the same anchor: the reference of the K attention and of the
+outer step, and the model a late joiner downloads. A member whose last round failed on its side
+only, or that the region went ahead of, downloads the region's agreed model again and keeps its
+own trained model; when nobody serves a newer state it downloads nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from worldlm_p2p.codec import ServedState, state_digest
+from worldlm_p2p.config import AggregationConfig
+from worldlm_p2p.peer.joining import resync_anchor
+from worldlm_p2p.peer.state import RegionState
+from worldlm_p2p.peer.stats import PeerStats
+from worldlm_p2p.rounds import RoundRule
+from worldlm_p2p.split import split_parameters
+
+NAMES = ["embed.weight", "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.v_proj.weight", "layers.0.mlp.weight"]
+RULE = RoundRule.from_config(AggregationConfig(), split_parameters(NAMES, "kv"), seed=0)
+
+
+@dataclass
+class _Record:
+    peer_id: str
+    state_round: int
+    state_digest: str
+    finished: bool = False
+
+
+@dataclass
+class _Server:
+    served: ServedState | None
+    downloads: list = field(default_factory=list)
+
+    def download_verified(self, *, timeout, fetch_others, admitted):
+        self.downloads.append(timeout)
+        return self.served
+
+
+class _Member:
+    def __init__(self, params):
+        self._params = params
+
+    def params(self):
+        return [t.clone() for t in self._params]
+
+
+def _setup(*, my_round: int, served_round: int, same: bool = False):
+    old = [torch.zeros(2), torch.zeros(2, 2), torch.zeros(2), torch.zeros(3)]
+    new = [t + 1.0 for t in old]
+    own = [t + 0.5 for t in old]
+    state = RegionState(anchor=old, border_delta=None)
+    state.momentum = None
+    stats = PeerStats()
+    stats.round = my_round
+    served = ServedState(round=served_round, world_round=-1, agreed=old if same else new,
+                         momentum=[torch.full((2,), 7.0)])
+    server = _Server(served)
+    records = [_Record("b", served_round, state_digest(served.agreed)),
+               _Record("c", served_round, state_digest(served.agreed))]
+    parts = dict(config=SimpleNamespace(join_state_timeout=5.0), rule=RULE, member=_Member(own), state=state,
+                 stats=stats, server=server, fetch_others=lambda: records)
+    return parts, state, server, new, own
+
+
+def test_a_member_whose_round_failed_here_takes_the_regions_newer_agreed_model_and_keeps_its_own():
+    parts, state, server, new, own = _setup(my_round=4, served_round=4)
+    assert resync_anchor(0, "its last round failed here", **parts)
+    assert len(server.downloads) == 1
+    for a, b in zip(state.anchor, new):
+        assert torch.equal(a, b)
+    assert torch.equal(state.momentum[0], torch.full((2,), 7.0))
+    # the member's own model is its contribution: untouched
+    for a, b in zip(parts["member"].params(), own):
+        assert torch.equal(a, b)
+
+
+def test_nothing_newer_served_means_no_download_and_the_anchor_is_kept():
+    # every member failed the round: they all serve the state of the round before this peer's own
+    parts, state, server, _, _ = _setup(my_round=4, served_round=3)
+    before = [t.clone() for t in state.anchor]
+    assert not resync_anchor(0, "its last round failed here", **parts)
+    assert server.downloads == []
+    for a, b in zip(state.anchor, before):
+        assert torch.equal(a, b)
+
+
+def test_the_same_agreed_model_as_this_peers_anchor_is_not_downloaded_again():
+    parts, state, server, _, _ = _setup(my_round=4, served_round=4, same=True)
+    assert not resync_anchor(0, "its last round failed here", **parts)
+    assert server.downloads == []
+
+
+def test_a_peer_the_region_went_ahead_of_downloads_even_a_same_digest_state():
+    # (missed > 0: the round number moves, so the served state is taken for its momentum too)
+    parts, state, server, _, _ = _setup(my_round=6, served_round=6, same=True)
+    assert resync_anchor(2, "the region went ahead", **parts)
+    assert len(server.downloads) == 1
