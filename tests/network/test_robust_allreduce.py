@@ -55,7 +55,7 @@ def group():
         boot = start_dht(NetConfig(host_maddrs=(LOOPBACK,)), record_validators=records.make_validators(RUN, RSAPrivateKey()))
         stack.callback(boot.shutdown)
         maddrs = tuple(str(m) for m in boot.get_visible_maddrs())
-        averaging = AveragingConfig(matchmaking_time=3.0, averaging_timeout=40.0, target_group_size=n)
+        averaging = AveragingConfig(matchmaking_time=3.0, averaging_timeout=20.0, target_group_size=n)
         template = _payloads(1, 0)[0]
         averagers = []
         for _ in range(n):

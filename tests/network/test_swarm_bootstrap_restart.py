@@ -30,7 +30,10 @@ def _bootstrap(procs, tmp, port: int, n: int):
     return p, [t for t in line.split() if "/p2p/" in t]
 
 
-@pytest.mark.parametrize("memory", [True, False], ids=["remembers-peers", "peers-redial"])
+# CI runs the restart without the memory (the peers' re-dial alone must heal the swarm); with the memory
+# both mechanisms work at once, and tests/unit/test_bootstrap_memory.py checks the memory in CI
+@pytest.mark.parametrize("memory", [pytest.param(True, marks=pytest.mark.extended), False],
+                         ids=["remembers-peers", "peers-redial"])
 def test_a_restarted_bootstrap_rejoins_its_swarm_and_newcomers_through_it_average(procs, tmp_path, memory):
     (tmp_path / "logs").mkdir()
     (tmp_path / "run.toml").write_text(fast_run("rejoin", inner_steps=5))
