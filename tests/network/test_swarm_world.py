@@ -236,6 +236,7 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
             assert p.wait(timeout=90) == 0, f"{lab}:\n{log_tail(tmp_path, lab)}"
 
 
+@pytest.mark.extended  # in CI: tests/network/test_internet.py's single-peer region leads and adopts world rounds
 def test_regions_of_one_peer_take_part_in_world_rounds(procs, tmp_path):
     """One peer per region (a region of one is still a region, as in the simulator): each peer is
     its region's leader and its model the region's; they run world rounds together, the network

@@ -31,6 +31,7 @@ class _Record:
     state_round: int
     state_digest: str
     finished: bool = False
+    reachability: str = "direct"
 
 
 @dataclass
@@ -102,3 +103,13 @@ def test_a_peer_the_region_went_ahead_of_downloads_even_a_same_digest_state():
     parts, state, server, _, _ = _setup(my_round=6, served_round=6, same=True)
     assert resync_anchor(2, "the region went ahead", **parts)
     assert len(server.downloads) == 1
+
+
+def test_outbound_only_peers_serve_nothing_so_their_records_ask_for_no_download():
+    # (found in the swarm: a member waited its whole download timeout for an outbound-only region mate)
+    parts, state, server, _, _ = _setup(my_round=6, served_round=6)
+    records = parts["fetch_others"]()
+    for r in records:
+        r.reachability = "outbound"
+    assert not resync_anchor(2, "the region went ahead", **parts)
+    assert server.downloads == []

@@ -314,6 +314,9 @@ def late_join(config: PeerConfig, *, others: list, rule: rounds.RoundRule, membe
     logger.info("loaded the region model of round %d from a peer", stats.round)
 
 
+RESYNC_TIMEOUT = 10.0  # seconds a stale member waits for the region's agreed model before its round
+
+
 def resync_anchor(missed: int, why: str, *, config: PeerConfig, rule: rounds.RoundRule, member: Member,
                   state: RegionState, stats: PeerStats, server: StateServer,
                   admitted: Callable[[], set[str] | None] = lambda: None,
@@ -330,17 +333,18 @@ def resync_anchor(missed: int, why: str, *, config: PeerConfig, rule: rounds.Rou
     if fetch_others is not None:
         allowed = admitted()
         newer = [r for r in fetch_others() if not r.finished and r.state_digest and r.state_round >= stats.round
-                 and (allowed is None or r.peer_id in allowed)]
+                 and r.reachability != "outbound" and (allowed is None or r.peer_id in allowed)]
         if not newer:  # nobody serves a newer state: no download (and no wait for one)
             logger.debug("round %d: no region state newer than this peer's anchor (%s)", stats.round, why)
             return False
         if missed == 0 and all(r.state_digest == state_digest(state.anchor) for r in newer):
             return False  # the region's agreed model is this peer's anchor already
-        served = server.download_verified(timeout=config.join_state_timeout, fetch_others=fetch_others,
-                                          admitted=admitted)
+        # (on the round's path: a short wait; the next round tries again)
+        served = server.download_verified(timeout=min(config.join_state_timeout, RESYNC_TIMEOUT),
+                                          fetch_others=fetch_others, admitted=admitted)
     else:
         peers = admitted()
-        served = server.download_region(timeout=config.join_state_timeout,
+        served = server.download_region(timeout=min(config.join_state_timeout, RESYNC_TIMEOUT),
                                         peers=sorted(peers) if peers is not None else None)
     if served is None or served.round < stats.round:
         logger.debug("round %d: no region state newer than this peer's anchor (%s)", stats.round, why)

@@ -79,6 +79,7 @@ class StateServer:
         while time.monotonic() < deadline:
             allowed = admitted()
             live = [r for r in fetch_others() if not r.finished and r.state_digest and r.state_round >= 0
+                    and r.reachability != "outbound"  # (an outbound-only peer serves nothing)
                     and (allowed is None or r.peer_id in allowed) and r.peer_id not in refused]
             if not live:
                 time.sleep(0.5)

@@ -112,6 +112,14 @@ class WorldRounds:
         if self._thread is not None and self._thread.is_alive():
             logger.info("world round still in progress; the next one waits")
             return
+        pending = self.state.change
+        if (pending is not None and pending.source == self.peer_id and pending.world_round > s.world_round
+                and (pending.source, pending.world_round) not in self._refuted):
+            # this leader's last world round is not adopted yet (the region adopts it at its next
+            # round): a newer one would replace it before anyone adopted it, and so on for ever when
+            # world rounds are quicker than region rounds. The next one starts once it is adopted.
+            logger.debug("world round %d is not adopted yet; the next one waits", pending.world_round)
+            return
         last = max(s.world_round, self.state.change.world_round if self.state.change else -1)
         snapshot = self.state.snapshot()
         if self._exchange is None:  # hivemind averagers must be created from the main thread
@@ -271,12 +279,13 @@ class WorldRounds:
                            leader.world_round)
             return None
         c = served.change
-        if c is None or c.world_round != leader.world_round:
+        if c is None or c.world_round < leader.world_round:
+            # (a change newer than the lease record said is taken: the record is read a moment late)
             logger.warning("rejected the world change served by the leader (stale: world round %s, the leader "
                            "announced %d)", c.world_round if c else "none", leader.world_round)
             return None
         self.state.adopt_border_history(served.border_history)
-        change = WorldChange(world_round=leader.world_round, delta=c.delta, apply_round=c.apply_round,
+        change = WorldChange(world_round=c.world_round, delta=c.delta, apply_round=c.apply_round,
                              source=c.source or leader.peer_id,
                              reference=c.reference if self.state.border is not None else None)
         self.state.change = change
