@@ -36,7 +36,7 @@ def _served(model, round_):
 
 
 def _record(peer, round_, digest):
-    return SimpleNamespace(peer_id=peer, finished=False, state_round=round_, state_digest=digest)
+    return SimpleNamespace(peer_id=peer, finished=False, state_round=round_, state_digest=digest, reachability="direct")
 
 
 def test_the_majoritys_model_is_taken_and_a_lying_donor_refused():
@@ -75,3 +75,17 @@ def test_digest_covers_values_dtypes_and_shapes():
     b = [a[0].clone()]
     b[0][1, 2] += 1e-6
     assert state_digest(a) != state_digest(b)
+
+
+def test_an_outbound_only_member_is_never_asked_for_the_regions_model():
+    # (an outbound-only peer serves nothing: asking it would only wait out the timeout)
+    template = [torch.zeros(3)]
+    good = [torch.ones(3)]
+    averager = FakeAverager({"out": _served(good, 2)})
+    server = StateServer(averager=averager, state=RegionState(anchor=template, border_delta=None), stats=PeerStats(),
+                         rule=RoundRule.of(SPLIT, strategy="fedavg"), fingerprint="fp")
+    rec = _record("out", 2, state_digest(good))
+    rec.reachability = "outbound"
+    assert server.download_verified(timeout=1.0, fetch_others=lambda: [rec]) is None
+    rec.reachability = "direct"
+    assert server.download_verified(timeout=5.0, fetch_others=lambda: [rec]) is not None
