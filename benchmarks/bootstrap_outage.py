@@ -34,7 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fast_run import fast_run, peer_env, read_events, stop_all  # noqa: E402
+from fast_run import fast_run, peer_env, read_events, stop_all, wait_for  # noqa: E402
 
 DEMO = REPO / "worldlm_p2p" / "demo_data"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -43,16 +43,6 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 def _start(cmd: list[str], log: Path, *, pipe: bool = False) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", *cmd], env=peer_env(), start_new_session=True,
                             stdout=subprocess.PIPE if pipe else log.open("wb"), stderr=subprocess.STDOUT)
-
-
-def _wait(cond, timeout: float, what: str, poll: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(poll)
-    raise SystemExit(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def _averaged(events: Path, *, since: float = 0.0, with_size: int = 2) -> list[dict]:
@@ -71,7 +61,7 @@ def main() -> int:
     run = tmp / "run.toml"
     run.write_text(fast_run(run_id="outage", inner_steps=10, barrier_timeout=30.0))
     procs: list[subprocess.Popen] = []
-    try:
+    try:  # (a wait that times out raises AssertionError, naming what it waited for)
         boot = _start(["worldlm_p2p.cli.bootstrap", "--run-config", str(run), "--host-maddrs", LOOPBACK],
                       tmp / "boot.log", pipe=True)
         procs.append(boot)
@@ -92,7 +82,7 @@ def main() -> int:
 
         peer("a", "nl_news", maddrs)
         peer("b", "de_news-reviews-wiki", maddrs)
-        _wait(lambda: _averaged(tmp / "a.events") and _averaged(tmp / "b.events"), 300, "a and b to average")
+        wait_for(lambda: _averaged(tmp / "a.events") and _averaged(tmp / "b.events"), 300, "a and b to average")
         text = (tmp / "a.log").read_text(errors="replace")
         a_maddrs = re.search(r"--initial-peers (.+)", text).group(1).split()
         run_key = re.search(r"run key (\S+)\)", text).group(1)
@@ -105,7 +95,7 @@ def main() -> int:
         alive = {label: p.poll() is None for label, p in zip(("a", "b"), procs[1:3])}
         joined = time.time()
         c = peer("c", "es_blog-news-reviews-wiki", a_maddrs)
-        first = _wait(lambda: _averaged(tmp / "c.events", with_size=3) or (c.poll() is not None and ["exited"]),
+        first = wait_for(lambda: _averaged(tmp / "c.events", with_size=3) or (c.poll() is not None and ["exited"]),
                       300, "the newcomer's first round with both running peers")
         log_c = (tmp / "c.log").read_text(errors="replace")
         mon = subprocess.run([sys.executable, "-m", "worldlm_p2p.cli.monitor", "--initial-peers", *a_maddrs, "--once",

@@ -79,3 +79,17 @@ def stop_all(procs, *, grace: float = 20.0) -> None:
             p.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+
+
+def wait_for(cond, timeout: float, what: str, poll: float = 0.5):
+    """``cond()``'s first true value, polled every ``poll`` seconds for at most ``timeout``;
+    AssertionError (the tests' failure) naming ``what`` when it never came."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")

@@ -14,7 +14,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from fast_run import fast_run as _fast_run  # noqa: E402
-from fast_run import peer_env, stop_all  # noqa: E402
+from fast_run import peer_env, stop_all, wait_for  # noqa: E402,F401 (wait_for: the tests import it from here)
 
 DEMO = REPO / "worldlm_p2p" / "demo_data"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -48,14 +48,6 @@ class Procs:
         stop_all(self.procs)
 
 
-def wait_for(cond: Callable[[], object], timeout: float, what: str, poll: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def fast_run(run_id: str = "t", inner_steps: int = 5, averaging: str = "", aggregation: str = "") -> str:
