@@ -14,6 +14,7 @@ Pure math (imports torch only; explicit generators and seeds):
 - ``privacy``: border DP: clipping, Gaussian noise and their accountant.
 - ``rounds``: what a region round and a world round compute, for every strategy.
 - ``robust``: the robust rule of an all-reduce (clipped mean around the median, weight cap, NaN out).
+- ``compression``: what a round's payload becomes on the wire (float32, fp16, uniform 8-bit), per tensor role.
 - ``checkpoint``: atomic, self-verifying checkpoints.
 - ``codec``: what peers serve each other and checkpoint, as typed records with one decoder each.
 

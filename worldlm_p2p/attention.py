@@ -13,10 +13,12 @@ Weights combine scores with token counts ``n_i``: ``a_il = n_i exp(s_il) / sum_j
 (a softmax over peers, per layer, with a token prior), and the update is
 ``K_l <- K_ref,l + eps * sum_i a_il (K_il - K_ref,l)``.
 
-One all-reduce suffices: hivemind computes ``sum_i w_i x_i / sum_i w_i``. Peer ``i`` sends
-``x_i = [u_i1 K_i1, ..., u_iL K_iL, (u_i1..u_iL)]`` with ``u_il = exp(s_il)`` and weight
-``w_i = n_i``; dividing the reduced ``u K`` parts by the reduced ``u`` gives ``sum_i a_il K_il``
-(:func:`encode_key_layers` / :func:`decode_key_layers`). Since ``s <= 0`` for ``distance`` and
+One all-reduce suffices: hivemind computes ``sum_i w_i x_i / sum_i w_i``. Peer ``i`` sends its
+change since the reference, ``x_i = [u_i1 (K_i1 - K_ref,1), ..., u_iL (K_iL - K_ref,L), (u_i1..u_iL)]``
+with ``u_il = exp(s_il)`` and weight ``w_i = n_i``; dividing the reduced ``u dK`` parts by the
+reduced ``u`` gives ``sum_i a_il (K_il - K_ref,l)`` (:func:`encode_key_layers` /
+:func:`decode_key_layers`). Changes, not the layers themselves, so that the payload is small numbers
+that compress to 16 or 8 bits without losing the layers' own scale (:mod:`worldlm_p2p.compression`). Since ``s <= 0`` for ``distance`` and
 ``s <= 1/tau`` for ``cosine`` (shifted to ``<= 0``), ``u`` never overflows; scores are clamped at
 :data:`MIN_SCORE` so that ``u`` never underflows to an all-zero denominator.
 
@@ -95,10 +97,12 @@ def attentive_aggregate(keys: Sequence[Sequence[torch.Tensor]], reference: Seque
 
 def encode_key_layers(key: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], *, form: str,
                       tau: float) -> list[torch.Tensor]:
-    """One peer's all-reduce payload for its key layers: ``[u_l K_l for l] + [u]`` (float32), to be
-    averaged with weight ``n_i`` (the peer's tokens) in the same all-reduce as the backbone."""
+    """One peer's all-reduce payload for its key layers: ``[u_l (K_l - K_ref,l) for l] + [u]``
+    (float32), to be averaged with weight ``n_i`` (the peer's tokens) in the same all-reduce as the
+    backbone's change."""
     u = torch.exp(layer_scores(key, reference, form=form, tau=tau))
-    return [(u[l] * k.detach().to(torch.float64)).to(torch.float32) for l, k in enumerate(key)] + [u.to(torch.float32)]
+    return [(u[l] * (k.detach().to(torch.float64) - r.detach().to(torch.float64))).to(torch.float32)
+            for l, (k, r) in enumerate(zip(key, reference))] + [u.to(torch.float32)]
 
 
 def decode_key_layers(averaged: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], *,
@@ -118,10 +122,10 @@ def decode_key_layers(averaged: Sequence[torch.Tensor], reference: Sequence[torc
     for l, ref in enumerate(reference):
         r64 = ref.detach().to(torch.float64)
         ul = float(u[l])
-        mean_k = averaged[l].to(torch.float64) / ul if math.isfinite(ul) and ul > 0 else r64
-        if not bool(torch.isfinite(mean_k).all()):
-            mean_k = r64
-        out.append((r64 + eps * (mean_k - r64)).to(ref.dtype))
+        change = averaged[l].to(torch.float64) / ul if math.isfinite(ul) and ul > 0 else torch.zeros_like(r64)
+        if not bool(torch.isfinite(change).all()):
+            change = torch.zeros_like(r64)
+        out.append((r64 + eps * change).to(ref.dtype))
     return out
 
 

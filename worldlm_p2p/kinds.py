@@ -24,6 +24,8 @@ PersonalScope = Literal["key", "all"]
 OuterOptimizer = Literal["sgd", "nesterov"]
 #: how a region's (and the leaders') all-reduce combines its members' payloads (:mod:`worldlm_p2p.robust`)
 RobustRule = Literal["clip", "mean"]
+#: how a region round's payload travels (:mod:`worldlm_p2p.compression`)
+WireCodec = Literal["none", "fp16", "int8"]
 
 SWARM_STRATEGIES: tuple[str, ...] = get_args(SwarmStrategy)
 STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)
@@ -33,3 +35,4 @@ WORLD_TARGETS: tuple[str, ...] = get_args(WorldTarget)
 PERSONAL_SCOPES: tuple[str, ...] = get_args(PersonalScope)
 OUTER_OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizer)
 ROBUST_RULES: tuple[str, ...] = get_args(RobustRule)
+WIRE_CODECS: tuple[str, ...] = get_args(WireCodec)

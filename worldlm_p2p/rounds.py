@@ -34,7 +34,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from worldlm_p2p import attention, mixing, privacy, residual, robust
+from worldlm_p2p import attention, compression, mixing, privacy, residual, robust
 from worldlm_p2p.aggregation import weighted_mean
 from worldlm_p2p.config import AggregationConfig
 from worldlm_p2p.outer_optim import outer_update
@@ -136,21 +136,50 @@ class RoundRule:
 # ------------------------------------------------------------------------------ region rounds
 
 
-def group_average(rule: RoundRule, payloads: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], *,
-                  max_weight: float | None = None) -> list[torch.Tensor]:
-    """What the group's all-reduce computes from its members' ``payloads``: the run's robust rule
-    (:func:`worldlm_p2p.robust.robust_mean_of_lists`), weights capped at ``max_weight``."""
-    out, _ = robust.robust_mean_of_lists(payloads, weights, rule=rule.config.robust, clip=rule.config.robust_clip,
-                                         max_weight=max_weight)
-    return out
+def payload_codecs(rule: RoundRule, payload: Sequence[torch.Tensor]) -> list[str]:
+    """The wire codec of each tensor of a region payload (:func:`region_payload`'s layout), as it
+    travels (:func:`worldlm_p2p.compression.effective_codec`): the backbone's change in
+    ``compress_backbone``; for an attentive strategy the key layers' encoded change in
+    ``compress_key`` and the attention denominators, last, in float32."""
+    n_b = len(rule.split.backbone) if rule.localises else len(rule.split.names)
+    codecs = [rule.config.compress_backbone] * n_b
+    if rule.strategy.attentive:
+        codecs += [rule.config.compress_key] * len(rule.split.key) + ["none"]
+    if len(codecs) != len(payload):
+        raise ValueError(f"a payload of {len(payload)} tensors, expected {len(codecs)}")
+    return [compression.effective_codec(c, t.numel()) for c, t in zip(codecs, payload)]
 
+
+def group_average(rule: RoundRule, payloads: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], *,
+                  max_weight: float | None = None, codecs: Sequence[str] | None = None) -> list[torch.Tensor]:
+    """What the group's all-reduce computes from its members' ``payloads``: the run's robust rule
+    (:func:`worldlm_p2p.robust.robust_mean_of_lists`), weights capped at ``max_weight``. With
+    ``codecs`` (a region round's: :func:`payload_codecs`), each payload as it arrives
+    (:func:`worldlm_p2p.compression.roundtrip`) and the aggregate as every member receives it
+    (encoded once more)."""
+    sent = [compression.roundtrip_all(p, codecs) for p in payloads] if codecs is not None else payloads
+    out, _ = robust.robust_mean_of_lists(sent, weights, rule=rule.config.robust, clip=rule.config.robust_clip,
+                                         max_weight=max_weight)
+    return compression.roundtrip_all(out, codecs) if codecs is not None else out
+
+
+def region_average(rule: RoundRule, payloads: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], *,
+                   max_weight: float | None = None) -> list[torch.Tensor]:
+    """A region round's all-reduce: :func:`group_average` with the run's wire codecs."""
+    return group_average(rule, payloads, weights, max_weight=max_weight,
+                         codecs=payload_codecs(rule, payloads[0]) if payloads else None)
 
 
 def region_payload(rule: RoundRule, params: Sequence[torch.Tensor], anchor: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """A member's all-reduce payload: B (or the whole model), then the encoded K for ``worldlm``."""
+    """A member's all-reduce payload: its change since the round's ``anchor`` (the outer gradient,
+    up to sign) of B (or the whole model), then the encoded change of K for ``worldlm``
+    (:func:`worldlm_p2p.attention.encode_key_layers`). Every member of a round holds the same anchor,
+    so the average of the changes plus the anchor is the average of the models; changes are small
+    numbers that the wire can carry in 16 or 8 bits (:mod:`worldlm_p2p.compression`)."""
     if not rule.strategy.averages:
         raise ValueError(f"strategy {rule.strategy.name} never averages")
-    out = [p.detach().to(torch.float32) for p in rule.backbone(params)]
+    out = [p.detach().to(torch.float32) - a.detach().to(torch.float32)
+           for p, a in zip(rule.backbone(params), rule.backbone(anchor))]
     if rule.strategy.attentive:
         out += attention.encode_key_layers(rule.split.take_key(params), rule.split.take_key(anchor),
                                            form=rule.config.attention, tau=rule.config.tau)
@@ -169,7 +198,8 @@ def region_step(rule: RoundRule, averaged: Sequence[torch.Tensor], *, params: Se
     n_b = len(rule.backbone(anchor))
     if len(averaged) < n_b:
         raise ValueError(f"averaged payload has {len(averaged)} tensors, fewer than the {n_b} of the backbone")
-    new_b, new_m = outer_update(rule.backbone(anchor), averaged[:n_b], momentum, kind=rule.config.outer,
+    mean_b = [a.detach().to(torch.float32) + d for a, d in zip(rule.backbone(anchor), averaged[:n_b])]
+    new_b, new_m = outer_update(rule.backbone(anchor), mean_b, momentum, kind=rule.config.outer,
                                 lr=rule.config.outer_lr, mu=rule.config.outer_momentum)
     new_b = [b.to(a.dtype) for b, a in zip(new_b, rule.backbone(anchor))]
     if not rule.localises:
@@ -261,7 +291,7 @@ def region_round_with_anchor(rule: RoundRule, members: Sequence[Sequence[torch.T
             choices.append(None)
         return [own], momentum, [t.clone() for t in own]
     payloads = [region_payload(rule, p, anchor) for p in members]
-    averaged = group_average(rule, payloads, weights, max_weight=max_weight)
+    averaged = region_average(rule, payloads, weights, max_weight=max_weight)
     out, new_m, agreed = [], momentum, None
     for i, p in enumerate(members):
         new, agreed, new_m = region_step(rule, averaged, params=p, anchor=anchor, momentum=momentum)
@@ -292,10 +322,9 @@ def flat_round_with_border_dp(rule: RoundRule, regions: Mapping[str, tuple[Seque
     sent, weights, records = [], [], {}
     for r in names:
         members, w = regions[r]
-        mean = weighted_mean([region_payload(rule, p, anchor) for p in members], w)
-        delta = [m - a.float() for m, a in zip(mean, anchor)]
+        delta = weighted_mean([region_payload(rule, p, anchor) for p in members], w)  # (changes since the anchor)
         records[r] = privacy.privatize(delta, clip=clip, noise_multiplier=noise_multiplier, generator=generators[r])
-        sent.append([a.float() + d for a, d in zip(anchor, records[r].tensors)])
+        sent.append(list(records[r].tensors))
         weights.append(float(sum(w)))
     averaged = weighted_mean(sent, weights)
     out: dict[str, list[list[torch.Tensor]]] = {}

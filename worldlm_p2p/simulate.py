@@ -31,12 +31,13 @@ from typing import Any, Callable
 
 import torch
 
+from worldlm_p2p import compression
 from worldlm_p2p.aggregation import allreduce_traffic, max_round_weight, round_weight
 from worldlm_p2p.config import AggregationConfig, ModelConfig, PrivacyConfig, TokenizerSpec, TrainConfig, _require
 from worldlm_p2p.errors import ConfigError, DataError
 from worldlm_p2p.privacy import BorderAccountant
 from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, member_world_mix,
-                               region_round_with_anchor, world_round)
+                               payload_codecs, region_payload, region_round_with_anchor, world_round)
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.strategies import strategy as strategy_of
 from worldlm_p2p.strategies import with_border_dp
@@ -218,8 +219,8 @@ class Simulator:
             for p, tensors in zip(members, new):
                 set_params(p.model, tensors)
                 p.tokens_since_round = 0
-            payload = _nbytes(rule.backbone(params[0])) + (
-                _nbytes(rule.split.take_key(params[0])) + 4 * len(rule.split.key) if rule.strategy.attentive else 0)
+            template = region_payload(rule, params[0], params[0])  # (the layout; what it weighs on the wire)
+            payload = sum(compression.nominal_bytes(t.numel(), c) for t, c in zip(template, payload_codecs(rule, template)))
             n = len(members)
             for p in members:
                 same = sum(1 for q in members if q.region == p.region)

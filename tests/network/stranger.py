@@ -30,7 +30,7 @@ def main() -> None:
     data = demo_data_dir() / "eu" / "nl_news"
     local = build_local(PeerConfig(region=region, data=str(data)), m, load_texts(data))
     params = get_flat_params(local.model)
-    payload = [t * 1000 for t in region_payload(local.rule, params, params)]
+    payload = region_payload(local.rule, [t * 1000 for t in params], params)  # a change of 999x the model
     key = RSAPrivateKey()
     validators = records.make_validators(m.run_id, key)
     dht = start_dht(NetConfig(initial_peers=tuple(maddrs)), record_validators=validators)

@@ -11,7 +11,7 @@ import worldlm_p2p
 
 PACKAGE = Path(worldlm_p2p.__file__).parent
 # the pure math: torch, the standard library and each other only
-PURE = ("split", "aggregation", "attention", "residual", "mixing", "outer_optim", "privacy", "rounds", "checkpoint",
+PURE = ("split", "aggregation", "compression", "attention", "residual", "mixing", "outer_optim", "privacy", "rounds", "checkpoint",
         "codec", "robust")
 # besides the pure modules themselves: the settings (config, their literals, the strategies), which
 # import the standard library only

@@ -113,3 +113,19 @@ def test_outbound_only_peers_serve_nothing_so_their_records_ask_for_no_download(
         r.reachability = "outbound"
     assert not resync_anchor(2, "the region went ahead", **parts)
     assert server.downloads == []
+
+
+def test_a_member_whose_anchor_is_not_the_groups_drops_the_round():
+    """The payload is each member's change since its own anchor, so a member applies the group's
+    average only when its anchor is the one most of the group gathered (peer.region_round)."""
+    from worldlm_p2p.peer.region_round import anchor_disagreement
+
+    same = {"a": dict(anchor="x"), "b": dict(anchor="x"), "c": dict(anchor="x")}
+    assert anchor_disagreement(same, "x") == ""
+    stale = {"a": dict(anchor="x"), "b": dict(anchor="x"), "c": dict(anchor="old")}
+    assert anchor_disagreement(stale, "x") == ""  # (the majority applies it: the old average of models)
+    assert "is not the group's (x, held by 2 of 3)" in anchor_disagreement(stale, "old")
+    tie = {"a": dict(anchor="x"), "b": dict(anchor="y")}
+    assert "none by a majority" in anchor_disagreement(tie, "x") and anchor_disagreement(tie, "y")
+    # members that sent no digest (or garbage) are not counted
+    assert anchor_disagreement({"a": dict(anchor="x"), "b": {}, "c": "junk", "d": dict(anchor=5)}, "x") == ""

@@ -35,6 +35,12 @@ def _region(n_members=3, seed=0, scale=0.2):
     return anchor, members, tokens
 
 
+def _exact(**settings) -> RoundRule:
+    """A rule of the shipped defaults with ``settings``, its payload on the wire in float32: the
+    round's math without the codec (tested apart, below)."""
+    return RoundRule.of(SPLIT, compress_backbone="none", compress_key="none", **settings)
+
+
 def _close(xs, ys, atol=1e-6):
     assert len(xs) == len(ys)
     for x, y in zip(xs, ys):
@@ -54,7 +60,7 @@ def test_split_of_the_toy_names():
     ("local", False, False, False),
 ])
 def test_round_rule_properties(strategy, localises, world_group, world_rounds):
-    rule = RoundRule.of(SPLIT, robust="mean", strategy=strategy)
+    rule = _exact(robust="mean", strategy=strategy)
     assert (rule.localises, rule.world_group, rule.has_world_rounds) == (localises, world_group, world_rounds)
     xs = [torch.full((1,), float(i)) for i in range(4)]
     assert [float(x) for x in rule.backbone(xs)] == ([0.0, 3.0] if localises else [0.0, 1.0, 2.0, 3.0])
@@ -76,23 +82,26 @@ def test_round_rule_holds_the_config_and_ships_its_defaults():
 def test_region_payload_raises_for_local():
     anchor, members, _ = _region()
     with pytest.raises(ValueError):
-        region_payload(RoundRule.of(SPLIT, robust="mean", strategy="local"), members[0], anchor)
+        region_payload(_exact(robust="mean", strategy="local"), members[0], anchor)
 
 
 def test_region_payload_layout():
     anchor, members, _ = _region()
-    p = region_payload(RoundRule.of(SPLIT, robust="mean", strategy="fedavg"), members[0], anchor)
-    assert len(p) == 4 and all(torch.equal(a, b) for a, b in zip(p, members[0]))
-    p = region_payload(RoundRule.of(SPLIT, robust="mean", strategy="fedper"), members[0], anchor)
+    p = region_payload(_exact(robust="mean", strategy="fedavg"), members[0], anchor)
+    # the change since the anchor (the outer gradient, up to sign), not the model itself
+    assert len(p) == 4 and all(torch.equal(a, b - c) for a, b, c in zip(p, members[0], anchor))
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in region_payload(
+        _exact(robust="mean", strategy="fedavg"), anchor, anchor))  # no change: zeros
+    p = region_payload(_exact(robust="mean", strategy="fedper"), members[0], anchor)
     assert len(p) == 2  # B only: fedper never sends K
-    p = region_payload(RoundRule.of(SPLIT, robust="mean", strategy="worldlm"), members[0], anchor)
-    assert len(p) == 2 + 2 + 1  # B, u_l K_l per key layer, u
+    p = region_payload(_exact(robust="mean", strategy="worldlm"), members[0], anchor)
+    assert len(p) == 2 + 2 + 1  # dB, u_l (K_l - K_ref,l) per key layer, u
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "hierfavg"])
 def test_region_round_whole_model_mean(strategy):
     anchor, members, tokens = _region(seed=1)
-    out, mom = region_round(RoundRule.of(SPLIT, robust="mean", strategy=strategy), members, tokens, anchor=anchor, momentum=None)
+    out, mom = region_round(_exact(robust="mean", strategy=strategy), members, tokens, anchor=anchor, momentum=None)
     mean = weighted_mean(members, tokens)
     assert mom is None and len(out) == 3
     for o in out:
@@ -101,7 +110,7 @@ def test_region_round_whole_model_mean(strategy):
 
 def test_region_round_hand_computed_fedavg():
     # two members, tokens 1 and 3: (1 x + 3 y) / 4
-    rule = RoundRule.of(SPLIT, robust="mean", strategy="fedavg")
+    rule = _exact(robust="mean", strategy="fedavg")
     x = [T([0.0, 0.0, 4.0]), torch.zeros(2, 2), T([1.0, 1.0]), torch.zeros(2, 3)]
     y = [T([4.0, 8.0, 0.0]), torch.ones(2, 2), T([1.0, 5.0]), torch.full((2, 3), 2.0)]
     out, _ = region_round(rule, [x, y], [1, 3], anchor=x, momentum=None)
@@ -110,7 +119,7 @@ def test_region_round_hand_computed_fedavg():
 
 def test_region_round_fedper_keeps_each_members_key():
     anchor, members, tokens = _region(seed=2)
-    out, _ = region_round(RoundRule.of(SPLIT, robust="mean", strategy="fedper"), members, tokens, anchor=anchor, momentum=None)
+    out, _ = region_round(_exact(robust="mean", strategy="fedper"), members, tokens, anchor=anchor, momentum=None)
     b_mean = weighted_mean([SPLIT.take_backbone(m) for m in members], tokens)
     for o, m in zip(out, members):
         _close(SPLIT.take_backbone(o), b_mean)
@@ -122,7 +131,7 @@ def test_region_round_fedper_keeps_each_members_key():
                                             ("distance", 0.5, 0.5), ("mean", 1.0, 1.0)])
 def test_region_round_worldlm(form, tau, eps):
     anchor, members, tokens = _region(seed=3, scale=0.3)
-    rule = RoundRule.of(SPLIT, robust="mean", strategy="worldlm", attention=form, tau=tau, eps=eps, mix="none")
+    rule = _exact(robust="mean", strategy="worldlm", attention=form, tau=tau, eps=eps, mix="none")
     out, mom = region_round(rule, members, tokens, anchor=anchor, momentum=None)
     b_mean = weighted_mean([SPLIT.take_backbone(m) for m in members], tokens)
     k_att = attention.attentive_aggregate([SPLIT.take_key(m) for m in members], SPLIT.take_key(anchor), tokens,
@@ -132,7 +141,7 @@ def test_region_round_worldlm(form, tau, eps):
         _close(SPLIT.take_backbone(o), b_mean)
         _close(SPLIT.take_key(o), k_att, atol=1e-5)
     # the shipped mix ("evidence") agrees on the same model; members without a tune slice keep their own
-    shipped = RoundRule.of(SPLIT, robust="mean", attention=form, tau=tau, eps=eps)
+    shipped = _exact(robust="mean", attention=form, tau=tau, eps=eps)
     kept, _, agreed = region_round_with_anchor(shipped, members, tokens, anchor=anchor, momentum=None)
     _close(SPLIT.take_backbone(agreed), b_mean)
     _close(SPLIT.take_key(agreed), k_att, atol=1e-5)
@@ -145,7 +154,7 @@ def test_region_round_worldlm(form, tau, eps):
 
 @pytest.mark.parametrize("strategy", ["worldlm", "hierfavg", "fedper"])
 def test_region_round_nesterov_outer(strategy):
-    rule = RoundRule.of(SPLIT, robust="mean", strategy=strategy, outer="nesterov", outer_lr=0.7, outer_momentum=0.9, mix="none")
+    rule = _exact(robust="mean", strategy=strategy, outer="nesterov", outer_lr=0.7, outer_momentum=0.9, mix="none")
     anchor, members, tokens = _region(seed=4)
     g = torch.Generator().manual_seed(40)
     ref_b, ref_m = rule.backbone(anchor), None
@@ -165,7 +174,7 @@ def test_region_round_nesterov_outer(strategy):
 
 def test_region_apply_rejects_short_payload():
     anchor, members, _ = _region()
-    rule = RoundRule.of(SPLIT, robust="mean", strategy="worldlm")
+    rule = _exact(robust="mean", strategy="worldlm")
     with pytest.raises(ValueError):
         region_apply(rule, [torch.zeros(3)], params=members[0], anchor=anchor, momentum=None)
 
@@ -183,7 +192,7 @@ def _regions(seed=5, scale=0.3):
 
 def test_world_round_hierfavg_is_the_token_weighted_mean():
     regions, tokens = _regions()
-    res = world_round(RoundRule.of(SPLIT, robust="mean", strategy="hierfavg"), regions, tokens)
+    res = world_round(_exact(robust="mean", strategy="hierfavg"), regions, tokens)
     mean = weighted_mean([regions[r] for r in ("eu", "na", "asia")], [tokens[r] for r in ("eu", "na", "asia")])
     assert set(res.models) == set(regions) and res.weights == {} and res.fetched == {}
     for m in res.models.values():
@@ -192,7 +201,7 @@ def test_world_round_hierfavg_is_the_token_weighted_mean():
 
 def test_world_round_worldlm_without_residual():
     regions, tokens = _regions()
-    res = world_round(RoundRule.of(SPLIT, robust="mean", strategy="worldlm", residual=False), regions, tokens)
+    res = world_round(_exact(robust="mean", strategy="worldlm", residual=False), regions, tokens)
     b_mean = weighted_mean([SPLIT.take_backbone(regions[r]) for r in regions], [tokens[r] for r in regions])
     for r, m in res.models.items():
         _close(SPLIT.take_backbone(m), b_mean)
@@ -210,7 +219,7 @@ def test_world_round_worldlm_residual_hand_computed():
     #   -> K_eu' = [1.2, 3], K_na' = [2.8, 3]
     eu = [T([1.0, 2.0, 3.0]), T([[4.0, 0.0], [0.0, 0.0]]), T([1.0, 3.0]), torch.zeros(2, 3)]
     na = [T([3.0, 2.0, 1.0]), T([[0.0, 2.0], [0.0, 0.0]]), T([3.0, 3.0]), torch.ones(2, 3)]
-    rule = RoundRule.of(SPLIT, robust="mean", strategy="worldlm", residual=True, residual_dim=16, residual_tau=1 / LN2,
+    rule = _exact(robust="mean", strategy="worldlm", residual=True, residual_dim=16, residual_tau=1 / LN2,
                      residual_beta=0.5)
     res = world_round(rule, {"eu": eu, "na": na}, {"eu": 10.0, "na": 10.0})
     b_world = [T([2.0, 2.0, 2.0]), torch.full((2, 3), 0.5)]
@@ -225,7 +234,7 @@ def test_world_round_worldlm_residual_hand_computed():
     # a small residual_tau: the opposite region weighs 1 / (1 + e^(2/0.1)) < FETCH_MIN_WEIGHT, so it is
     # not fetched and K stays the region's own
     assert 1 / (1 + math.exp(20)) < FETCH_MIN_WEIGHT
-    rule = RoundRule.of(SPLIT, robust="mean", strategy="worldlm", residual=True, residual_dim=16, residual_tau=0.1)
+    rule = _exact(robust="mean", strategy="worldlm", residual=True, residual_dim=16, residual_tau=0.1)
     res = world_round(rule, {"eu": eu, "na": na}, {"eu": 10.0, "na": 10.0})
     assert res.fetched == {"eu": [], "na": []}
     _close(SPLIT.take_key(res.models["eu"]), SPLIT.take_key(eu))
@@ -235,7 +244,7 @@ def test_world_round_worldlm_residual_hand_computed():
 def test_world_round_worldlm_residual_matches_the_formula():
     regions, tokens = _regions(seed=6)
     names = sorted(regions)
-    rule = RoundRule.of(SPLIT, robust="mean", strategy="worldlm", residual=True, residual_dim=8, residual_tau=2.0,
+    rule = _exact(robust="mean", strategy="worldlm", residual=True, residual_dim=8, residual_tau=2.0,
                      residual_beta=0.7, seed=3)
     out = world_round(rule, regions, tokens)
     # independent reference: K_world = token-weighted mean of K; r_R = K_R - K_world; embeddings are
@@ -262,7 +271,7 @@ def test_world_round_worldlm_residual_matches_the_formula():
 def test_world_round_single_region_is_unchanged_for_worldlm():
     regions, tokens = _regions()
     one = {"eu": regions["eu"]}
-    res = world_round(RoundRule.of(SPLIT, robust="mean", strategy="worldlm"), one, {"eu": tokens["eu"]})
+    res = world_round(_exact(robust="mean", strategy="worldlm"), one, {"eu": tokens["eu"]})
     _close(res.models["eu"], regions["eu"])
 
 
@@ -271,8 +280,8 @@ def test_region_round_worldlm_personal_mix(scope):
     from worldlm_p2p.rounds import region_round_with_anchor
 
     anchor, members, tokens = _region(seed=7, scale=0.3)
-    rule = RoundRule.of(SPLIT, robust="mean", strategy="worldlm", mix="cosine", personal_tau=0.3, personal_scope=scope)
-    plain = RoundRule.of(SPLIT, robust="mean", strategy="worldlm", mix="none")
+    rule = _exact(robust="mean", strategy="worldlm", mix="cosine", personal_tau=0.3, personal_scope=scope)
+    plain = _exact(robust="mean", strategy="worldlm", mix="none")
     out, _, agreed = region_round_with_anchor(rule, members, tokens, anchor=anchor, momentum=None)
     ref_out, _ = region_round(plain, members, tokens, anchor=anchor, momentum=None)
     # the region's agreed model is the plain worldlm round's result, whatever the members keep
@@ -361,7 +370,8 @@ def test_fedavg_round_with_border_dp():
     from worldlm_p2p.split import split_parameters
 
     split = split_parameters(["a", "k_proj", "b"], "*k_proj*")
-    rule = RoundRule.from_config(AggregationConfig(strategy="fedavg", robust="mean"), split, seed=0)
+    rule = RoundRule.from_config(AggregationConfig(strategy="fedavg", robust="mean", compress_backbone="none",
+                                                 compress_key="none"), split, seed=0)
     g = torch.Generator().manual_seed(1)
     anchor = [torch.randn(2, 3, generator=g) for _ in range(3)]
     eu = [[a + torch.randn(a.shape, generator=g) for a in anchor] for _ in range(2)]
@@ -387,7 +397,7 @@ def test_a_group_of_one_is_the_identity(strategy):
     """A group of one member has nothing to average (a swarm peer alone in its region holds no
     round): its model is the agreed model bit for bit, the momentum unchanged, whatever the outer
     optimizer and the attention step."""
-    rule = RoundRule.of(SPLIT, robust="mean", strategy=strategy, outer="nesterov", outer_lr=0.7, eps=0.5, mix="evidence")
+    rule = _exact(robust="mean", strategy=strategy, outer="nesterov", outer_lr=0.7, eps=0.5, mix="evidence")
     anchor, members, _ = _region(seed=5)
     momentum = [torch.full_like(t, 0.25) for t in rule.backbone(anchor)]
     choices: list = []
@@ -414,7 +424,7 @@ def test_world_grid_and_the_largest_world_step() -> None:
         return float((params[0] - 1).pow(2).sum())
 
     for max_step, expected in ((0.25, 0.25), (1.0, 1.0)):
-        rule = RoundRule.of(SPLIT, robust="mean", strategy="worldlm", mix="evidence", mix_world_max=max_step)
+        rule = _exact(robust="mean", strategy="worldlm", mix="evidence", mix_world_max=max_step)
         out, choice = member_world_mix(rule, own=own, change=change, loss_of=loss_of)
         assert choice.lam == expected
         assert torch.allclose(out[0], torch.full((3,), expected))
@@ -425,7 +435,7 @@ def test_world_round_attention_two_regions_hand_computed():
     # theta_eu <- theta_eu + beta (theta_na - theta_eu); beta 0.5 -> the midpoint, B and K alike
     eu = [T([1.0, 2.0, 3.0]), T([[4.0, 0.0], [0.0, 0.0]]), T([1.0, 3.0]), torch.zeros(2, 3)]
     na = [T([3.0, 2.0, 1.0]), T([[0.0, 2.0], [0.0, 0.0]]), T([3.0, 3.0]), torch.ones(2, 3)]
-    rule = RoundRule.of(SPLIT, robust="mean", strategy="worldlm", residual_dim=16, residual_beta=0.5, world_target="attention")
+    rule = _exact(robust="mean", strategy="worldlm", residual_dim=16, residual_beta=0.5, world_target="attention")
     assert rule.world_attention
     res = world_round(rule, {"eu": eu, "na": na}, {"eu": 30.0, "na": 10.0})
     mid = [(a + b) / 2 for a, b in zip(eu, na)]
@@ -434,13 +444,13 @@ def test_world_round_attention_two_regions_hand_computed():
     assert res.weights == {"eu": {"na": [1.0]}, "na": {"eu": [1.0]}} and res.fetched == {"eu": ["na"], "na": ["eu"]}
     # the world mean is still the token-weighted mean (the reference of border deltas)
     _close(res.world, [(3 * a + b) / 4 for a, b in zip(eu, na)])
-    rule = RoundRule.of(SPLIT, robust="mean", strategy="worldlm", residual_dim=16, residual_beta=0.2, world_target="attention")
+    rule = _exact(robust="mean", strategy="worldlm", residual_dim=16, residual_beta=0.2, world_target="attention")
     res = world_round(rule, {"eu": eu, "na": na}, {"eu": 30.0, "na": 10.0})
     _close(res.models["eu"], [a + 0.2 * (b - a) for a, b in zip(eu, na)])
     # without residuals the target is ignored: the world's mean backbone, as with "mean"
-    off = RoundRule.of(SPLIT, robust="mean", strategy="worldlm", residual=False, world_target="attention")
+    off = _exact(robust="mean", strategy="worldlm", residual=False, world_target="attention")
     assert not off.world_attention
-    mean = world_round(RoundRule.of(SPLIT, robust="mean", strategy="worldlm", residual=False), {"eu": eu, "na": na},
+    mean = world_round(_exact(robust="mean", strategy="worldlm", residual=False), {"eu": eu, "na": na},
                        {"eu": 30.0, "na": 10.0})
     out = world_round(off, {"eu": eu, "na": na}, {"eu": 30.0, "na": 10.0})
     for r in ("eu", "na"):
@@ -450,7 +460,7 @@ def test_world_round_attention_two_regions_hand_computed():
 def test_world_round_attention_matches_the_formula():
     regions, tokens = _regions(seed=8)
     names = sorted(regions)
-    rule = RoundRule.of(SPLIT, robust="mean", strategy="worldlm", residual_dim=8, residual_tau=0.7, residual_beta=0.6, seed=2,
+    rule = _exact(robust="mean", strategy="worldlm", residual_dim=8, residual_tau=0.7, residual_beta=0.6, seed=2,
                      world_target="attention")
     out = world_round(rule, regions, tokens)
     # independent reference: theta_world = token-weighted mean of every tensor; sketches of
@@ -497,13 +507,13 @@ def test_world_attention_publishes_one_sketch_of_the_whole_residual():
 
     g = torch.Generator().manual_seed(5)
     res = _model(g)
-    rule = RoundRule.of(SPLIT, robust="mean", strategy="worldlm", residual_dim=16, world_target="attention")
+    rule = _exact(robust="mean", strategy="worldlm", residual_dim=16, world_target="attention")
     e = embed(rule, res)
     assert e.shape == (1, 16)
     assert torch.allclose(e[0], residual.residual_embedding(res, dim=16, seed=0).sum(dim=0), atol=1e-6)
     twice = embed(rule, [2 * t for t in res])
     assert torch.allclose(twice, 2 * e, atol=1e-5)
-    assert embed(RoundRule.of(SPLIT, robust="mean", strategy="worldlm", residual_dim=16), SPLIT.take_key(res)).shape == (2, 16)
+    assert embed(_exact(robust="mean", strategy="worldlm", residual_dim=16), SPLIT.take_key(res)).shape == (2, 16)
 
 
 # ------------------------------------------------------------------------------ the robust rule in rounds
@@ -517,7 +527,7 @@ def test_default_region_round_averages_by_the_robust_rule(strategy):
     from worldlm_p2p.rounds import group_average
 
     anchor, members, tokens = _region(n_members=4, seed=3)
-    rule = RoundRule.of(SPLIT, strategy=strategy, mix="none")
+    rule = _exact(strategy=strategy, mix="none")
     assert rule.config.robust == "clip"
     payloads = [region_payload(rule, p, anchor) for p in members]
     want, _ = robust.robust_mean_of_lists(payloads, tokens, clip=rule.config.robust_clip, max_weight=500.0)
@@ -525,7 +535,7 @@ def test_default_region_round_averages_by_the_robust_rule(strategy):
     out, _, agreed = region_round_with_anchor(rule, members, tokens, anchor=anchor, momentum=None, max_weight=500.0)
     expect, _ = region_apply(rule, want, params=members[0], anchor=anchor, momentum=None)
     _close(out[0], expect)
-    mean_rule = RoundRule.of(SPLIT, strategy=strategy, mix="none", robust="mean")
+    mean_rule = _exact(strategy=strategy, mix="none", robust="mean")
     _close(group_average(mean_rule, payloads, tokens), weighted_mean(payloads, tokens))
 
 
@@ -535,13 +545,13 @@ def test_a_scaled_member_moves_the_default_round_boundedly_and_the_mean_round_wi
     weights = tokens[:2] + [1e9]
     honest = weighted_mean(members[:2], tokens[:2])
     spread = [(a - b).abs() for a, b in zip(*members[:2])]
-    clip_rule = RoundRule.of(SPLIT, strategy="fedavg")
+    clip_rule = _exact(strategy="fedavg")
     (out, *_), _, _ = region_round_with_anchor(clip_rule, attacked, weights, anchor=anchor, momentum=None,
                                                max_weight=max(tokens[:2]))
     share = max(tokens[:2]) / (sum(tokens[:2]) + max(tokens[:2]))
     for o, h, s in zip(out, honest, spread):
         assert bool(((o - h).abs() <= (clip_rule.config.robust_clip + 1) * s * share + 1e-6).all())
-    mean_rule = RoundRule.of(SPLIT, strategy="fedavg", robust="mean")
+    mean_rule = _exact(strategy="fedavg", robust="mean")
     (bad, *_), _, _ = region_round_with_anchor(mean_rule, attacked, weights, anchor=anchor, momentum=None)
     assert max(float((b - h).abs().max()) for b, h in zip(bad, honest)) > 10
 

@@ -66,6 +66,10 @@ FLAGS = (
     Flag("aggregation", "robust", "how a group's average combines its members (clip: robust to a malicious "
                                   "minority; mean: the plain weighted mean)"),
     Flag("aggregation", "robust_clip", "with --robust clip: clip at this many spreads around the median"),
+    Flag("aggregation", "compress_backbone", "how a region round's backbone change travels: none (float32), fp16 "
+                                             "or int8"),
+    Flag("aggregation", "compress_key", "how a region round's encoded key-layer change travels: none, fp16 or "
+                                        "int8"),
 )
 SECTIONS = {"train": TrainConfig, "aggregation": AggregationConfig, "privacy": PrivacyConfig}
 

@@ -16,8 +16,8 @@ from typing import Any, Mapping
 
 from worldlm_p2p.errors import ConfigError
 from worldlm_p2p.kinds import (ATTENTION_FORMS, MIX_RULES, OUTER_OPTIMIZERS, PERSONAL_SCOPES, ROBUST_RULES,
-                               STRATEGY_NAMES, SWARM_STRATEGIES, WORLD_TARGETS, AttentionForm, MixRule, OuterOptimizer,
-                               PersonalScope, RobustRule, StrategyName, WorldTarget)
+                               STRATEGY_NAMES, SWARM_STRATEGIES, WIRE_CODECS, WORLD_TARGETS, AttentionForm, MixRule,
+                               OuterOptimizer, PersonalScope, RobustRule, StrategyName, WireCodec, WorldTarget)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
@@ -191,6 +191,9 @@ class AggregationConfig:
       tokens of one round, NaN/Inf left out, so that a malicious minority moves the agreed model by
       a bounded amount; ``"mean"``: hivemind's weighted mean (the weight cap and the NaN/Inf rule
       still hold).
+    - ``compress_backbone`` / ``compress_key``: how a region round's payload travels, per tensor
+      role: the backbone's change since the anchor, and the key layers' encoded change (``none``:
+      float32; ``fp16``, the default; ``int8``: uniform 8-bit; :mod:`worldlm_p2p.compression`).
     """
 
     strategy: StrategyName = "worldlm"
@@ -218,6 +221,8 @@ class AggregationConfig:
     outer_momentum: float = 0.9  # nesterov only
     robust: RobustRule = "clip"
     robust_clip: float = 4.0
+    compress_backbone: WireCodec = "fp16"
+    compress_key: WireCodec = "fp16"
 
     def __post_init__(self) -> None:
         _require_finite("aggregation", self, ("eps", "residual_tau", "residual_beta", "mix_world_max", "tune_fraction",
@@ -256,6 +261,9 @@ class AggregationConfig:
                  f"{self.robust!r} is not one of {', '.join(ROBUST_RULES)}")
         _require(math.isfinite(self.robust_clip) and self.robust_clip >= 1, "aggregation.robust_clip",
                  "must be a finite number >= 1, e.g. 4")
+        for name in ("compress_backbone", "compress_key"):
+            _require(getattr(self, name) in WIRE_CODECS, f"aggregation.{name}",
+                     f"{getattr(self, name)!r} is not one of {', '.join(WIRE_CODECS)}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -8,6 +8,7 @@
 - ``wire``: bytes on the wire, measured from the kernel's TCP counters of a peer's processes.
 - ``records``: signed, schema-validated DHT records (run manifests, peer progress, leader leases).
 - ``schemas``: the wire schemas every DHT node checks before storing, and the validators.
+- ``codecs``: the wire codecs of a region round (fp16, int8) as hivemind compression classes.
 - ``averaging``: the region all-reduce (``RegionAverager``) and late-joiner state download.
 - ``robust_allreduce``: hivemind's all-reduce with the robust rule in every reducer, and the check
   of what the reducers send back.

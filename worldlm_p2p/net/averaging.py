@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import NoCompression
 
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
@@ -31,6 +32,7 @@ from hivemind.proto import averaging_pb2
 from worldlm_p2p.config import AveragingConfig
 
 from worldlm_p2p.net import hivemind_compat
+from worldlm_p2p.net.codecs import wire_compression
 from worldlm_p2p.net.keys import averager_prefix
 from worldlm_p2p.net.robust_allreduce import RobustAllReduceRunner, RobustSettings, RoundReport
 
@@ -62,7 +64,8 @@ class RegionAverager(DecentralizedAverager):
     def __init__(self, *, tensors: Sequence[torch.Tensor], dht, run_id: str, region: str,
                  averaging: AveragingConfig, fingerprint: str, robust: RobustSettings = RobustSettings(),
                  clipped_above: float = 0.5, should_stop: Callable[[], bool] = lambda: False,
-                 start: bool = True) -> None:
+                 start: bool = True, codecs: Sequence[str] | None = None) -> None:
+        """``codecs``: how each tensor travels (:func:`worldlm_p2p.rounds.payload_codecs`; None: float32)."""
         self._robust, self._clipped_above = robust, float(clipped_above)
         self.should_stop: Callable[[], bool] = should_stop
         self._shared_lock = threading.Lock()
@@ -88,6 +91,7 @@ class RegionAverager(DecentralizedAverager):
             # part and receives the average over connections it opens, never reduces, and serves no state)
             allow_state_sharing=not dht.client_mode,
             shutdown_timeout=3.0,
+            compression=wire_compression(codecs) if codecs is not None else NoCompression(),
         )
         self._timeout = averaging.averaging_timeout
         self._min_group_size = averaging.min_group_size
@@ -192,7 +196,7 @@ class RegionAverager(DecentralizedAverager):
                     raise ValueError("aux peers should not receive averaged tensors")
             else:
                 async for tensor, update in azip(as_aiter(*tensors), runner):
-                    tensor.add_(update)
+                    tensor.copy_(update)  # the averaged value itself (RobustAllReduceRunner)
             if runner.bad_reducers:
                 raise AllreduceException("; ".join(f"{p} {why}" for p, why in sorted(runner.bad_reducers.items())))
         except BaseException:

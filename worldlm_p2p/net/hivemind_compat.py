@@ -19,6 +19,8 @@ WorldLM extends hivemind at three seams that its public API does not offer:
   (:func:`register_runner`); the runner replaces its ``TensorPartReducer`` (whose bookkeeping fields
   it reuses) and watches its ``TensorPartContainer``'s ``register_processed_part`` /
   ``register_failed_reducer``;
+- **the decoder of 8-bit messages** (:func:`worldlm_p2p.net.codecs.install`): hivemind's registry
+  ``hivemind.compression.serialization._BASE_COMPRESSION_TYPES`` gets our ``UNIFORM_8BIT`` codec;
 - **an RSA key from its DER bytes** (:func:`rsa_key_from_der`): hivemind's ``RSAPrivateKey`` has no
   loader from bytes other than its pickle state; and **a public key's DER form**
   (:func:`rsa_public_der`), which a libp2p peer id hashes.
@@ -189,6 +191,11 @@ def check() -> list[str]:
                    "def register_failed_reducer(self, peer_index: int)"):
         if needle not in container:
             problems.append(f"TensorPartContainer: {needle!r} is gone")
+    from hivemind.compression import serialization
+
+    if not isinstance(getattr(serialization, "_BASE_COMPRESSION_TYPES", None), dict) or \
+            "UNIFORM_8BIT" not in serialization._BASE_COMPRESSION_TYPES:
+        problems.append("hivemind.compression.serialization lost its _BASE_COMPRESSION_TYPES registry")
     from hivemind.p2p import p2p_daemon
 
     if "await asyncio.subprocess.create_subprocess_exec(" not in inspect.getsource(p2p_daemon.P2P.create):

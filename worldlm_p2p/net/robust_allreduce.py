@@ -9,7 +9,9 @@ swarm's result equals the pure function on the whole vectors, whatever the spans
   arrived aggregates them with the rule: weights capped, NaN/Inf values left out (the piece goes
   on without them), values clipped around the senders' median. It tallies, per sender, what the rule
   saw (:class:`SenderTally`).
-- :class:`RobustAllReduceRunner` installs that reducer and watches what comes back: a reducer that
+- :class:`RobustAllReduceRunner` installs that reducer, sends every sender the encoded aggregate
+  itself (with the run's wire codec, :mod:`worldlm_p2p.compression`, the group still ends with one
+  model) and watches what comes back: a reducer that
   failed (its span of the vector was never averaged: the members would end with different models)
   or that sent back a non-finite result fails the round for this member, and is named.
 
@@ -27,6 +29,9 @@ from typing import Sequence
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import amap_in_executor
 
 from worldlm_p2p import robust
 
@@ -140,19 +145,82 @@ class RobustAllReduceRunner(AllReduceRunner):
                                                      len(self.sender_peer_ids), settings=robust_settings)
         self.bad_reducers: dict[str, str] = {}  # peer id -> why
         container = self.tensor_part_container
+        # the runner yields each tensor's averaged value, not hivemind's delta to it: a member applies
+        # the encoded aggregate itself, bit for bit what every other member applies (a lost span
+        # yields the local part, and fails the round)
+        container.return_deltas = False
         register_processed, register_failed = container.register_processed_part, container.register_failed_reducer
+        self._infos = [[info for _, info in parts] for parts in container._input_parts_by_peer]
+        self._own_aggregates: dict[int, torch.Tensor] = {}
+        own = self.ordered_peer_ids.index(self.peer_id)
+        own_sender = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
+        accumulate = self.tensor_part_reducer.accumulate_part
 
-        def processed(peer_index: int, part_index: int, delta: torch.Tensor) -> None:
-            if not bool(torch.isfinite(delta).all()):
+        async def accumulate_as_sent(sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                                     weight: float = 1.0) -> torch.Tensor:
+            own_part = sender_index == own_sender and 0 <= part_index < len(self._infos[own])
+            if own_part:  # the reducer's own part, as the others' arrive: encoded and decoded
+                tensor_part = self._roundtrip(tensor_part, self._infos[own][part_index])
+            aggregate = await accumulate(sender_index, part_index, tensor_part, weight=weight)
+            if own_part:
+                self._own_aggregates[part_index] = aggregate
+            return aggregate
+
+        self.tensor_part_reducer.accumulate_part = accumulate_as_sent
+        lost: set[int] = set()
+
+        def processed(peer_index: int, part_index: int, value: torch.Tensor) -> None:
+            if not 0 <= part_index < len(self._infos[peer_index]):
+                raise AllreduceException(f"peer {self.ordered_peer_ids[peer_index]} sent back part {part_index} of "
+                                         f"{len(self._infos[peer_index])}")
+            local = container._input_parts_by_peer[peer_index][part_index][0]
+            if peer_index == own and peer_index not in lost:  # this member's span: the aggregate, as sent
+                value = self._roundtrip(self._own_aggregates.pop(part_index), self._infos[own][part_index])
+            if tuple(value.shape) != tuple(local.shape):
+                raise AllreduceException(f"peer {self.ordered_peer_ids[peer_index]} sent back a part of shape "
+                                         f"{tuple(value.shape)}, expected {tuple(local.shape)}")
+            if not bool(torch.isfinite(value).all()):
                 self.bad_reducers.setdefault(str(self.ordered_peer_ids[peer_index]), "sent back NaN/Inf")
-            register_processed(peer_index, part_index, delta)
+            register_processed(peer_index, part_index, value.to(local.dtype))
 
         def failed(peer_index: int) -> None:
             self.bad_reducers.setdefault(str(self.ordered_peer_ids[peer_index]),
                                          "did not send back its span of the average")
-            register_failed(peer_index)
+            lost.add(peer_index)
+            register_failed(peer_index)  # registers this member's own parts for the span (through processed)
 
         container.register_processed_part, container.register_failed_reducer = processed, failed
+
+    def _roundtrip(self, tensor: torch.Tensor, info) -> torch.Tensor:
+        """``tensor`` encoded and decoded as the all-reduce carries it (the run's codec for its tensor)."""
+        return deserialize_torch_tensor(self.tensor_part_container.compression.compress(tensor, info))
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        """hivemind's reducer loop, except that every sender gets back the encoded aggregate of its part
+        (hivemind sends the difference between the aggregate and the sender's decoded part, which the
+        sender adds to its own, undecoded part: with a lossy codec each member would end the round
+        with its own model). The same bytes go to every sender and this member decodes the same, so
+        that the group agrees exactly."""
+        part_index = 0
+        loop = asyncio.get_event_loop()
+        compress = self.tensor_part_container.compression.compress
+        own = self.ordered_peer_ids.index(self.peer_id)
+        try:
+            async for tensor_part, weight in amap_in_executor(
+                    lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight),
+                    stream, max_prefetch=self.tensor_part_container.prefetch):
+                try:
+                    aggregate = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part,
+                                                                               weight=weight)
+                    info = self._infos[own][part_index]
+                    part_index += 1
+                except BannedException:
+                    break  # this sender was dropped from the round
+                encoded = await loop.run_in_executor(None, lambda: compress(aggregate, info))
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
 
     def dropped_senders(self) -> list[str]:
         """The senders whose parts this peer's reducer stopped waiting for (hivemind's sender timeout, a

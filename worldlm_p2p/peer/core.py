@@ -26,6 +26,7 @@ from worldlm_p2p.errors import CheckpointWriteError
 from worldlm_p2p.net.averaging import RegionAverager
 from worldlm_p2p.net.robust_allreduce import RobustSettings
 from worldlm_p2p.net.keys import ALL_REGIONS
+from worldlm_p2p import compression, rounds
 from worldlm_p2p.rounds import region_payload
 from worldlm_p2p.train import load_texts
 
@@ -91,6 +92,7 @@ class Peer:
         joining.log_strategy(self.rule)
         template = self._state.anchor if not self.rule.strategy.averages else region_payload(
             self.rule, self._state.anchor, self._state.anchor)
+        codecs = rounds.payload_codecs(self.rule, template) if self.rule.strategy.averages else None
         resumed = checkpoints.resume(cfg, m, member=self._member, state=self._state, stats=self.stats)
         self._progress = progress = Progress(
             dht=net.dht, validators=net.validators, dht_lock=self._dht_lock, config=cfg, manifest=m,
@@ -107,7 +109,7 @@ class Peer:
                                                                   inner_steps=m.train.inner_steps,
                                                                   batch_size=m.train.batch_size,
                                                                   seq_len=m.train.seq_len)),
-                                        should_stop=self._stop.is_set)
+                                        should_stop=self._stop.is_set, codecs=codecs)
         self._averager.set_admitted(progress.admitted)  # an admitting region: nobody until their records are read
         self._server = StateServer(averager=self._averager, state=self._state, stats=self.stats, rule=self.rule,
                                    fingerprint=m.fingerprint())
@@ -128,7 +130,9 @@ class Peer:
         self._round = RegionRound(
             rule=self.rule, averaging=m.averaging, averager=self._averager, state=self._state, stats=self.stats,
             member=self._member, server=self._server, region=cfg.region, label=self.label, started=self._started,
-            payload_bytes=sum(t.numel() * 4 for t in template), fetch_others=others, publish=progress.publish,
+            payload_bytes=sum(compression.nominal_bytes(t.numel(), c)
+                              for t, c in zip(template, codecs or ["none"] * len(template))),
+            fetch_others=others, publish=progress.publish,
             stopping=self._stop.is_set, trace=self._trace, events=self.events,
             before_average=world.maybe_adopt if world else lambda: None,
             on_averaged=(lambda result: world.count(gathered_tokens(result))) if world else lambda result: None,

@@ -23,6 +23,7 @@ later run in the background while training goes on); only step 3 writes.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import logging
@@ -33,6 +34,7 @@ from typing import Callable
 import torch
 
 from worldlm_p2p import aggregation, rounds
+from worldlm_p2p.codec import state_digest
 from worldlm_p2p.config import AveragingConfig
 from worldlm_p2p.net import barrier
 from worldlm_p2p.net.averaging import RegionAverager, RoundResult
@@ -177,9 +179,15 @@ class RegionRound:
         admitted = self.admitted()
         if admitted is not None:  # an admitting region: only the members whose records the barrier admitted
             self.averager.set_admitted(admitted)
+        digest = state_digest(anchor)
         result = self.averager.run_round(payload, weight=weight, gather=dict(
             label=self.label, weight=weight, tokens=s.tokens_since_round, round=s.round, world=s.world_round,
-            outbound=self.outbound))
+            outbound=self.outbound, anchor=digest))
+        if result.ok and (why := anchor_disagreement(result.gathered, digest)):
+            # the payload is each member's change since its anchor: this member applies the group's
+            # average to its own anchor, so one whose anchor is not the group's drops the round and
+            # takes the region's again (the others apply it: for them it is the old average of models)
+            result = dataclasses.replace(result, ok=False, averaged=None, error=why)
         if result.ok and not all(bool(torch.isfinite(t).all()) for t in result.averaged):
             result = dataclasses.replace(result, ok=False, averaged=None,
                                          error="the group's average is not finite (a peer sent NaN/inf)")
@@ -275,6 +283,24 @@ def lost_parts(*, group_size: int, expected: int | None, target: int, dropped: t
     if dropped:
         lost.append(f"this peer's reducer dropped the part of {', '.join(dropped)}")
     return lost
+
+
+def anchor_disagreement(gathered: dict, own: str) -> str:
+    """Why this member (anchor digest ``own``) must not apply a round whose members gathered these
+    anchor digests ("" when it may): its anchor is not the one most of the group holds, or no anchor
+    is held by more members than any other. Members that sent no digest are not counted."""
+    digests = [g["anchor"] for g in gathered.values() if isinstance(g, dict) and isinstance(g.get("anchor"), str)]
+    counts = collections.Counter(digests)
+    if len(counts) <= 1:
+        return ""
+    (top, n), (_, runner_up) = counts.most_common(2)
+    if n == runner_up:
+        return (f"the group's members held {len(counts)} different anchors, none by a majority: the round is "
+                f"not used")
+    if own != top:
+        return (f"this peer's anchor {own} is not the group's ({top}, held by {n} of {len(digests)}): the round "
+                f"is not used here")
+    return ""
 
 
 def gathered_tokens(result: RoundResult) -> float:

@@ -1,0 +1,148 @@
+"""The wire codecs of a region round (:mod:`worldlm_p2p.compression`), against hand-computed values,
+and hivemind's framing of them (:mod:`worldlm_p2p.net.codecs`), which must decode to the pure result."""
+
+import pytest
+import torch
+
+from worldlm_p2p import compression as C
+from worldlm_p2p.rounds import RoundRule, group_average, payload_codecs, region_payload, region_round
+from worldlm_p2p.split import split_parameters
+
+T = torch.tensor
+
+
+def test_fp16_rounds_to_half_precision_and_clamps_its_range():
+    x = T([1.0, 1.0 + 2 ** -12, 1.0 + 2 ** -10, 70000.0, -1e6, 2 ** -30])
+    got = C.roundtrip(x, "fp16")
+    # 1 + 2^-12 is half-way below the next half (1 + 2^-10): rounds to even, 1.0; 2^-30 is below fp16's subnormals
+    assert got.tolist() == [1.0, 1.0, 1.0 + 2 ** -10, 65504.0, -65504.0, 0.0]
+    assert got.dtype == torch.float32
+
+
+def test_none_is_the_identity_and_a_copy():
+    x = torch.randn(5)
+    got = C.roundtrip(x, "none")
+    assert torch.equal(got, x) and got.data_ptr() != x.data_ptr()
+
+
+def test_int8_hand_computed_levels():
+    # 1024 values: 512 at -1, 512 at +1 -> mean 0, std (unbiased) = sqrt(1024/1023), scale = 6 std / 256
+    x = torch.cat([torch.full((512,), -1.0), torch.full((512,), 1.0)])
+    index, codebook = C.int8_encode(x)
+    scale = 6 * (1024 / 1023) ** 0.5 / 256
+    assert index[0] == 128 + round(-1 / scale) and index[-1] == 128 + round(1 / scale)
+    assert codebook[int(index[0])] == -1.0 and codebook[int(index[-1])] == 1.0  # each level decodes to its values' mean
+    assert torch.equal(C.roundtrip(x, "int8"), x)
+
+
+def test_int8_error_within_half_a_step_inside_the_range_and_saturated_beyond():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20_000, generator=g) * 0.01 + 0.002
+    got = C.roundtrip(x, "int8")
+    std = float((x - x.mean()).norm()) / (x.numel() - 1) ** 0.5
+    step = 6 * std / 256
+    inside = (x - x.mean()).abs() < 2.9 * std
+    assert float((got - x)[inside].abs().max()) <= step  # (a level's mean lies within its bin: one step)
+    assert float(got.max()) < float(x.max()) and float(got.min()) > float(x.min())  # the tails saturate
+    assert abs(float(got.mean() - x.mean())) < 1e-6  # bin means keep the tensor's mean (up to rounding)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+def test_nonfinite_tensors_travel_in_float32(codec):
+    x = torch.randn(4096)
+    x[3], x[9] = float("inf"), float("nan")
+    assert C.travels_as(x, codec) == "none"
+    got = C.roundtrip(x, codec)
+    assert got[3] == float("inf") and torch.isnan(got[9]) and torch.equal(got[:3], x[:3])
+
+
+def test_int8_falls_back_to_fp16_for_small_or_constant_tensors():
+    assert C.effective_codec("int8", C.INT8_MIN_NUMEL - 1) == "fp16"
+    assert C.effective_codec("int8", C.INT8_MIN_NUMEL) == "int8"
+    assert C.travels_as(torch.full((5000,), 0.25), "int8") == "fp16"
+    assert torch.equal(C.roundtrip(torch.full((5000,), 0.25), "int8"), torch.full((5000,), 0.25))
+    with pytest.raises(ValueError, match="spread"):
+        C.int8_encode(torch.zeros(5000))
+    with pytest.raises(ValueError, match="wire codec"):
+        C.effective_codec("int4", 10)
+
+
+def test_wire_bytes():
+    assert C.nominal_bytes(1000, "none") == 4000
+    assert C.nominal_bytes(1000, "fp16") == 2000
+    assert C.nominal_bytes(1000, "int8") == 2000  # (too small: fp16)
+    assert C.nominal_bytes(10_000, "int8") == 10_000 + 256 * 4 + 8
+    assert C.wire_bytes(torch.zeros(10_000), "int8") == 20_000  # (no spread: fp16)
+
+
+def test_int8_decode_refuses_a_message_of_the_wrong_size():
+    with pytest.raises(ValueError, match="cannot be a tensor"):
+        C.int8_decode(torch.zeros(10, dtype=torch.uint8), torch.zeros(256), (11,))
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8"])
+def test_hivemind_framing_decodes_to_the_pure_roundtrip(codec):
+    from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+
+    from worldlm_p2p.net.codecs import wire_compression
+
+    g = torch.Generator().manual_seed(3)
+    for x in (torch.randn(50_000, generator=g) * 0.01, torch.randn(300, generator=g), torch.full((4096,), 2.0)):
+        message = wire_compression([codec]).compress(x, CompressionInfo.from_tensor(x, key=0))
+        assert torch.equal(deserialize_torch_tensor(message), C.roundtrip(x, codec))
+        assert len(message.buffer) == C.wire_bytes(x, codec)
+
+
+def test_hivemind_framing_refuses_a_truncated_int8_message():
+    from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+
+    from worldlm_p2p.net.codecs import wire_compression
+
+    x = torch.randn(5000)
+    message = wire_compression(["int8"]).compress(x, CompressionInfo.from_tensor(x, key=0))
+    message.buffer = message.buffer[:-7]
+    with pytest.raises(ValueError):
+        deserialize_torch_tensor(message)
+
+
+NAMES = ["embed.weight", "layers.0.self_attn.k_proj.weight", "layers.0.mlp.weight"]
+SPLIT = split_parameters(NAMES, "*k_proj*")  # key = (1,), backbone = (0, 2)
+
+
+def _members(n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    anchor = [torch.randn(64, 32, generator=g), torch.randn(32, 32, generator=g), torch.randn(2048, generator=g)]
+    return anchor, [[a + 0.01 * torch.randn(a.shape, generator=g) for a in anchor] for _ in range(n)]
+
+
+def test_payload_codecs_by_role():
+    rule = RoundRule.of(SPLIT, strategy="worldlm", compress_backbone="int8", compress_key="fp16")
+    anchor, members = _members()
+    payload = region_payload(rule, members[0], anchor)
+    # backbone: embed (2048 values: int8), mlp (2048: int8); K encoded (fp16); the attention denominators in float32
+    assert payload_codecs(rule, payload) == ["int8", "int8", "fp16", "none"]
+    small = RoundRule.of(SPLIT, strategy="fedavg", compress_backbone="int8")
+    assert payload_codecs(small, [torch.zeros(10), torch.zeros(2000), torch.zeros(1)]) == ["fp16", "int8", "fp16"]
+    with pytest.raises(ValueError, match="expected"):
+        payload_codecs(rule, payload[:-1])
+
+
+def test_group_average_with_codecs_encodes_each_payload_and_the_result():
+    rule = RoundRule.of(SPLIT, strategy="fedavg", robust="mean", compress_backbone="fp16")
+    a = [T([1.0 + 2 ** -11, 0.0]), T([3.0])]
+    b = [T([1.0, 2.0]), T([1.0 + 2 ** -9])]
+    got = group_average(rule, [a, b], [1.0, 1.0], codecs=["fp16", "none"])
+    # a's first value rounds to 1.0 on the wire; the mean of the second tensor is exact in float32
+    assert got[0].tolist() == [1.0, 1.0] and got[1].tolist() == [(3.0 + 1.0 + 2 ** -9) / 2]
+
+
+@pytest.mark.parametrize("codec,bound", [("fp16", 1e-5), ("int8", 2e-3)])
+def test_a_compressed_round_stays_close_to_the_exact_one(codec, bound):
+    anchor, members = _members(seed=5)
+    exact = RoundRule.of(SPLIT, strategy="worldlm", compress_backbone="none", compress_key="none")
+    lossy = RoundRule.of(SPLIT, strategy="worldlm", compress_backbone=codec, compress_key=codec)
+    want, _ = region_round(exact, members, [1.0, 2.0, 3.0], anchor=anchor, momentum=None)
+    got, _ = region_round(lossy, members, [1.0, 2.0, 3.0], anchor=anchor, momentum=None)
+    for w, o in zip(want, got):
+        for x, y in zip(w, o):
+            assert float((x - y).abs().max()) <= bound  # (changes of 0.01: the codec's error is on them, not on the model)
