@@ -63,6 +63,12 @@ class SwarmConfig:
     startup_timeout: float = 120.0
     stop_timeout: float = 60.0
     checkpoints: bool = True
+    device: str = "cpu"  # every peer's --device (cpu, cuda, cuda:N: they may share one GPU)
+
+    def __post_init__(self) -> None:
+        if self.device != "cpu" and not (self.device == "cuda" or (self.device.startswith("cuda:")
+                                                                    and self.device[5:].isdigit())):
+            raise ConfigError(f"--device: {self.device!r} is not cpu, cuda or cuda:N")
 
 
 @dataclass
@@ -178,7 +184,7 @@ class LocalSwarm:
         events = cfg.out / "events" / f"{label}.jsonl"
         cmd = [sys.executable, "-m", "worldlm_p2p.cli.peer", "--region", region, "--data", str(data),
                "--label", label, "--initial-peers", *self.initial_peers, "--run-id", cfg.manifest.run_id,
-               "--threads", str(cfg.threads_per_peer), "--summary", str(summary), "--device", "cpu",
+               "--threads", str(cfg.threads_per_peer), "--summary", str(summary), "--device", cfg.device,
                "--events", str(events)]
         if cfg.max_steps:
             cmd += ["--max-steps", str(cfg.max_steps)]

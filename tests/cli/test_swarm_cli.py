@@ -127,3 +127,26 @@ def _export_round_trip(out, eu_labels):
     rounds = {load_latest_checkpoint(out / "checkpoints" / label).payload["stats"]["round"] for label in eu_labels}
     if len(rounds) == 1:  # (a peer stopped by Ctrl-C in the middle of a round keeps the previous agreed model)
         assert float((region_logits[1] - region_logits[2]).abs().max()) < 1e-3
+
+
+def test_swarm_refuses_an_unknown_device_in_one_line(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "worldlm_p2p.cli.swarm", "--device", "gpu0", "--out", str(tmp_path / "w"),
+                        "--no-live"], capture_output=True, text=True, env=env(), cwd=REPO, timeout=120)
+    assert p.returncode != 0
+    assert p.stderr.strip().splitlines()[-1] == "worldlm-swarm: error: --device: 'gpu0' is not cpu, cuda or cuda:N"
+    assert "Traceback" not in p.stderr
+
+
+def test_swarm_config_devices():
+    from pathlib import Path
+
+    from worldlm_p2p.config import RunManifest
+    from worldlm_p2p.errors import ConfigError
+    from worldlm_p2p.swarm import SwarmConfig
+
+    m = RunManifest.from_dict({"run_id": "d"})
+    for ok in ("cpu", "cuda", "cuda:1"):
+        assert SwarmConfig(regions={"eu": 1}, data=Path("."), out=Path("o"), manifest=m, device=ok).device == ok
+    for bad in ("gpu", "cuda:", "cuda:x", ""):
+        with pytest.raises(ConfigError, match="is not cpu, cuda or cuda:N"):
+            SwarmConfig(regions={"eu": 1}, data=Path("."), out=Path("o"), manifest=m, device=bad)

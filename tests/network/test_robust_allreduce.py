@@ -46,8 +46,8 @@ def _round(averagers, payloads, weights):
     return results
 
 
-@pytest.fixture(scope="module")
-def group():
+def _group(region: str, codecs=None):
+    """3 region averagers on 127.0.0.1 (and their bootstrap DHT node), their payload in ``codecs``."""
     from worldlm_p2p.net.dht import start_dht
 
     n = 3
@@ -62,13 +62,18 @@ def group():
             dht = start_dht(NetConfig(initial_peers=maddrs, host_maddrs=(LOOPBACK,)),
                             record_validators=records.make_validators(RUN, RSAPrivateKey()))
             stack.callback(dht.shutdown)
-            a = RegionAverager(tensors=template, dht=dht, run_id=RUN, region="eu", averaging=averaging,
-                               fingerprint="fp", robust=SETTINGS)
+            a = RegionAverager(tensors=template, dht=dht, run_id=RUN, region=region, averaging=averaging,
+                               fingerprint="fp", robust=SETTINGS, codecs=codecs)
             stack.callback(a.shutdown)
             averagers.append(a)
         for a in averagers:
             a.set_target_group_size(n)
         yield averagers
+
+
+@pytest.fixture(scope="module")
+def group():
+    yield from _group("eu")
 
 
 @pytest.mark.parametrize("attack", ["none", "x1000", "nan", "weight"])
@@ -112,27 +117,7 @@ CODECS = ("fp16", "int8")  # (the first tensor's and the second's: rounds.payloa
 
 @pytest.fixture(scope="module")
 def compressed_group():
-    from worldlm_p2p.net.dht import start_dht
-
-    n = 3
-    with ExitStack() as stack:
-        boot = start_dht(NetConfig(host_maddrs=(LOOPBACK,)), record_validators=records.make_validators(RUN, RSAPrivateKey()))
-        stack.callback(boot.shutdown)
-        maddrs = tuple(str(m) for m in boot.get_visible_maddrs())
-        averaging = AveragingConfig(matchmaking_time=3.0, averaging_timeout=20.0, target_group_size=n)
-        template = _payloads(1, 0)[0]
-        averagers = []
-        for _ in range(n):
-            dht = start_dht(NetConfig(initial_peers=maddrs, host_maddrs=(LOOPBACK,)),
-                            record_validators=records.make_validators(RUN, RSAPrivateKey()))
-            stack.callback(dht.shutdown)
-            a = RegionAverager(tensors=template, dht=dht, run_id=RUN, region="eu-compressed", averaging=averaging,
-                               fingerprint="fp", robust=SETTINGS, codecs=CODECS)
-            stack.callback(a.shutdown)
-            averagers.append(a)
-        for a in averagers:
-            a.set_target_group_size(n)
-        yield averagers
+    yield from _group("eu-compressed", codecs=CODECS)
 
 
 @pytest.mark.parametrize("attack", ["none", "x1000", "nan"])

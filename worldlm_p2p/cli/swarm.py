@@ -33,6 +33,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--run-config", metavar="TOML", help="run manifest to use instead of --model/--inner-steps")
     p.add_argument("--run-id", default="demo", help="run id (default demo)")
     p.add_argument("--threads-per-peer", type=int, default=1, help="torch threads per peer process (default 1)")
+    p.add_argument("--device", default="cpu", help="every peer's device: cpu, cuda or cuda:N (default cpu; peers "
+                                                   "may share one GPU)")
     p.add_argument("--no-live", action="store_true", help="plain log lines instead of the live table")
     p.add_argument("--no-report", action="store_true",
                    help="do not write report.png and report.md (loss against tokens per region) at the end")
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         except OSError as e:
             raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e})") from None
         config = SwarmConfig(regions=parse_regions(args.regions), data=data, out=out, manifest=manifest,
-                             max_steps=args.max_steps, threads_per_peer=args.threads_per_peer)
+                             max_steps=args.max_steps, threads_per_peer=args.threads_per_peer, device=args.device)
         swarm = LocalSwarm(config=config)
         swarm.plan()  # validate data and regions before starting anything
         from worldlm_p2p.display import progress_table

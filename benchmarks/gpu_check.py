@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""The prepared GPU check (issue 14): the CUDA path, in one short run (``benchmarks/gpu_check.sh``).
+
+1. **Presets alone.** For each preset (default ``small`` and ``base``) the trainer a peer builds
+   (:func:`worldlm_p2p.peer.joining.build_local`: bf16 autocast on CUDA) trains ``--steps`` steps
+   on the bundled demo data after ``--warmup`` steps: tokens/s (steady: from the first timed step,
+   synchronised), peak GPU memory (``torch.cuda.max_memory_allocated``) and the loss before and
+   after (it must fall).
+2. **A 2-peer region on one GPU.** ``worldlm-bootstrap`` and two ``worldlm-peer`` processes
+   (:class:`worldlm_p2p.swarm.LocalSwarm`, ``--device`` for both) of ``--swarm-preset`` for
+   ``--swarm-steps`` steps with H = ``--inner-steps``: each peer's tokens/s, its rounds and the
+   median round time (from its summary).
+
+Prints one Markdown table per part and writes every number to ``--out`` (default
+``benchmarks/out/gpu_check.json``). With ``--device cpu`` (and e.g. ``--presets tiny``) the same
+script checks itself on a machine without a GPU; its figures then say nothing of a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def manifest(preset: str, *, run_id: str, batch_size: int, seq_len: int, inner_steps: int):
+    from worldlm_p2p.config import RunManifest
+
+    return RunManifest.from_dict({
+        "run_id": run_id, "model": {"preset": preset},
+        "train": {"inner_steps": inner_steps, "batch_size": batch_size, "seq_len": seq_len, "eval_tokens": 4096},
+        "averaging": {"matchmaking_time": 2.0, "request_timeout": 1.0, "averaging_timeout": 60.0,
+                      "barrier_timeout": 120.0},
+    })
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_alone(preset: str, args) -> dict:
+    import torch
+
+    from worldlm_p2p.config import PeerConfig
+    from worldlm_p2p.peer.joining import build_local
+    from worldlm_p2p.train import demo_data_dir, load_texts
+    from worldlm_p2p.train.corpus import list_corpus
+
+    data = sorted(p for ps in list_corpus(demo_data_dir()).values() for p in ps)[0]
+    m = manifest(preset, run_id=f"gpu-{preset}", batch_size=args.batch_size, seq_len=args.seq_len, inner_steps=10)
+    local = build_local(PeerConfig(region="eu", data=str(data), label=f"gpu-{preset}", device=args.device), m,
+                        load_texts(data))
+    trainer = local.trainer
+    device = next(local.model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    parameters = sum(p.numel() for p in local.model.parameters())
+    first = None
+    for step in range(args.warmup):
+        r = trainer.train_step(step)
+        first = r.loss if first is None else first
+    _sync(device)
+    t0, tokens = time.perf_counter(), 0
+    last = None
+    for step in range(args.warmup, args.warmup + args.steps):
+        r = trainer.train_step(step)
+        tokens += r.tokens
+        last = r.loss
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    return dict(preset=preset, device=str(device), parameters=parameters, steps=args.steps, tokens=tokens,
+                seconds=seconds, tokens_per_s=tokens / seconds, first_loss=first, last_loss=last,
+                peak_memory_gib=(torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None))
+
+
+def region_of_two(args, out: Path) -> dict:
+    from worldlm_p2p.swarm import LocalSwarm, SwarmConfig
+    from worldlm_p2p.train import demo_data_dir
+
+    m = manifest(args.swarm_preset, run_id="gpu-region", batch_size=args.batch_size, seq_len=args.seq_len,
+                 inner_steps=args.inner_steps)
+    cfg = SwarmConfig(regions={"eu": 2}, data=demo_data_dir(), out=out, manifest=m, max_steps=args.swarm_steps,
+                      threads_per_peer=2, device=args.device, checkpoints=False)
+    t0 = time.monotonic()
+    with LocalSwarm(config=cfg) as swarm:
+        swarm.start()
+        deadline = time.monotonic() + args.swarm_timeout
+        swarm.wait(should_stop=lambda: time.monotonic() > deadline)
+    peers = {}
+    for path in sorted((out / "peers").glob("*.json")):
+        s = json.loads(path.read_text())
+        rs = s.get("round_seconds") or []
+        peers[path.stem] = dict(tokens_per_s=s.get("tokens_per_s"), steps=s.get("steps"),
+                                rounds=s.get("rounds_completed"), median_round_s=statistics.median(rs) if rs else None)
+    return dict(preset=args.swarm_preset, device=args.device, steps=args.swarm_steps, inner_steps=args.inner_steps,
+                wall_s=time.monotonic() - t0, peers=peers)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu to check the script itself")
+    p.add_argument("--presets", default="small,base")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--swarm-preset", default="small")
+    p.add_argument("--swarm-steps", type=int, default=200)
+    p.add_argument("--inner-steps", type=int, default=50)
+    p.add_argument("--swarm-timeout", type=float, default=240.0)
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "gpu_check.json")
+    args = p.parse_args()
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("gpu_check.py: error: no CUDA device here (give --device cpu to check the script itself)")
+    result: dict = dict(device=args.device, torch=torch.__version__,
+                        gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, alone=[])
+    lines = [f"GPU check on {result['gpu'] or 'cpu'} (torch {torch.__version__}), batch {args.batch_size} x "
+             f"{args.seq_len}", "", "| preset | parameters | tokens/s | peak GPU memory | loss first -> last |",
+             "|---|---:|---:|---:|---|"]
+    for preset in [x for x in args.presets.split(",") if x]:
+        r = train_alone(preset, args)
+        result["alone"].append(r)
+        mem = f"{r['peak_memory_gib']:.2f} GiB" if r["peak_memory_gib"] is not None else "-"
+        lines.append(f"| {preset} | {r['parameters'] / 1e6:.1f} M | {r['tokens_per_s']:.0f} | {mem} | "
+                     f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
+        print(lines[-1], flush=True)
+    with tempfile.TemporaryDirectory(prefix="worldlm-gpu-check-") as tmp:
+        result["region"] = region = region_of_two(args, Path(tmp))
+    lines += ["", f"2-peer region ({region['preset']}, H = {region['inner_steps']}, {region['steps']} steps, "
+                  f"{region['wall_s']:.0f} s)", "", "| peer | tokens/s | rounds | median round s |", "|---|---:|---:|---:|"]
+    for label, r in region["peers"].items():
+        lines.append(f"| {label} | {r['tokens_per_s'] or 0:.0f} | {r['rounds']} | {r['median_round_s'] or 0:.2f} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
