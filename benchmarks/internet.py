@@ -57,11 +57,13 @@ SCENARIOS: dict[str, list[tuple[str, str, str]]] = {
 FORWARDED = {"forward": ["home1"]}  # hosts whose router forwards PORT to them (and that announce it)
 
 
-def manifest(run_id: str) -> str:
+def manifest(run_id: str, compress: str | None = None) -> str:
     """The loopback benchmarks' manifest with a longer matchmaking window: on a 2-core machine five
-    processes share the cores, and a member that is late by a second would miss the group."""
+    processes share the cores, and a member that is late by a second would miss the group.
+    ``compress``: the region rounds' wire codec for both roles (None: the product's default)."""
+    aggregation = f'compress_backbone = "{compress}"\ncompress_key = "{compress}"' if compress else ""
     return fast_run(run_id=run_id, inner_steps=5, barrier_timeout=30.0, eval_tokens=2048,
-                    averaging="").replace("matchmaking_time = 1.5", "matchmaking_time = 3.0")
+                    averaging="", aggregation=aggregation).replace("matchmaking_time = 1.5", "matchmaking_time = 3.0")
 
 
 def _bin(name: str) -> str:
@@ -86,13 +88,13 @@ def _wait_training(workdir: Path, hosts: list[str], *, deadline: float) -> None:
 
 
 def run_scenario(net: Internet, name: str, workdir: Path, *, steps: int, trace: bool = False,
-                 timeout: float = 600.0) -> dict:
+                 timeout: float = 600.0, compress: str | None = None) -> dict:
     """Start the bootstrap node and the scenario's peers, wait until every peer finished (at most
     ``timeout`` seconds), stop everything, and return what happened (see the module docstring).
     ``trace``: the peers write their round traces to ``workdir/trace`` (the test compares them with
     the pure round function)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "run.toml").write_text(manifest(f"inet-{name}"))
+    (workdir / "run.toml").write_text(manifest(f"inet-{name}", compress))
     peers = SCENARIOS[name]
     sizes = {region: sum(1 for _, r, _ in peers if r == region) for _, region, _ in peers}
     for host in FORWARDED.get(name, []):
@@ -201,6 +203,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     ap.add_argument("--steps", type=int, default=60, help="local steps per peer (H = 5: steps / 5 region rounds)")
+    ap.add_argument("--compress", choices=["none", "fp16", "int8"], default=None,
+                    help="the region rounds' wire codec, backbone and key layers (default: the manifest default)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "internet.json")
     args = ap.parse_args()
@@ -211,7 +215,7 @@ def main() -> None:
     results = []
     for name in args.scenarios:
         with Internet() as net:
-            res = run_scenario(net, name, workdir / name, steps=args.steps)
+            res = run_scenario(net, name, workdir / name, steps=args.steps, compress=args.compress)
         results.append(res)
         print(f"{name}: {res['seconds']} s", file=sys.stderr, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
