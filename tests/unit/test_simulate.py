@@ -158,8 +158,10 @@ def test_byte_accounting(run_strategy):
         assert all(p["bytes_sent_region"] == 0 and p["bytes_sent_border"] == 0
                    for p in run_strategy(strategy)["peers"].values()), strategy
     # fedavg: one world group of 4 that averages the whole model every round; each peer sends what the
-    # swarm's butterfly all-reduce estimate says, a third to its region peer and two thirds across the border
-    per_round = allreduce_traffic(4 * params, 4)[0]
+    # swarm's butterfly all-reduce estimate says (for the payload in the default wire codec, fp16 for every
+    # tensor: 2 bytes a value), a third to its region peer and two thirds across the border
+    assert AggregationConfig().compress_backbone == "fp16"
+    per_round = allreduce_traffic(2 * params, 4)[0]
     for key, p in run_strategy("fedavg")["peers"].items():
         assert p["bytes_sent_border"] > 0, key
         assert p["bytes_sent_region"] + p["bytes_sent_border"] == ROUNDS * per_round, (key, p)
