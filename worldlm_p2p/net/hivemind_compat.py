@@ -18,7 +18,8 @@ WorldLM extends hivemind at three seams that its public API does not offer:
   ``_run_allreduce_inplace_`` builds our runner, handed to hivemind's ``_running_groups``
   (:func:`register_runner`); the runner replaces its ``TensorPartReducer`` (whose bookkeeping fields
   it reuses) and watches its ``TensorPartContainer``'s ``register_processed_part`` /
-  ``register_failed_reducer``;
+  ``register_failed_reducer``, reads its ``_input_parts_by_peer`` and sets ``return_deltas`` off
+  (the runner yields averaged values, so that a lossy codec leaves the group equal);
 - **the decoder of 8-bit messages** (:func:`worldlm_p2p.net.codecs.install`): hivemind's registry
   ``hivemind.compression.serialization._BASE_COMPRESSION_TYPES`` gets our ``UNIFORM_8BIT`` codec;
 - **an RSA key from its DER bytes** (:func:`rsa_key_from_der`): hivemind's ``RSAPrivateKey`` has no
@@ -188,7 +189,9 @@ def check() -> list[str]:
             problems.append(f"TensorPartReducer: {needle!r} is gone")
     container = inspect.getsource(partition.TensorPartContainer)
     for needle in ("def register_processed_part(self, peer_index: int, part_index: int",
-                   "def register_failed_reducer(self, peer_index: int)"):
+                   "def register_failed_reducer(self, peer_index: int)",
+                   "self._input_parts_by_peer = [deque() for _ in range(self.group_size)]",
+                   "self.return_deltas = return_deltas"):
         if needle not in container:
             problems.append(f"TensorPartContainer: {needle!r} is gone")
     from hivemind.compression import serialization
