@@ -139,7 +139,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="worldlm-gpu-check-") as tmp:
         result["region"] = region = region_of_two(args, Path(tmp))
     lines += ["", f"2-peer region ({region['preset']}, H = {region['inner_steps']}, {region['steps']} steps, "
-                  f"{region['wall_s']:.0f} s)", "", "| peer | tokens/s (since its start, start-up included) | rounds | median round s |", "|---|---:|---:|---:|"]
+                  f"{region['wall_s']:.0f} s)", "",
+              "| peer | tokens/s (since its start, start-up included) | rounds | median round s |", "|---|---:|---:|---:|"]
     for label, r in region["peers"].items():
         lines.append(f"| {label} | {r['tokens_per_s'] or 0:.0f} | {r['rounds']} | {r['median_round_s'] or 0:.2f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
