@@ -149,4 +149,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from worldlm_p2p.errors import ConfigError, DataError
+
+    try:
+        main()
+    except (ConfigError, DataError) as e:
+        sys.exit(f"gpu_check.py: error: {e}")

@@ -18,8 +18,8 @@ change since the reference, ``x_i = [u_i1 (K_i1 - K_ref,1), ..., u_iL (K_iL - K_
 with ``u_il = exp(s_il)`` and weight ``w_i = n_i``; dividing the reduced ``u dK`` parts by the
 reduced ``u`` gives ``sum_i a_il (K_il - K_ref,l)`` (:func:`encode_key_layers` /
 :func:`decode_key_layers`). Changes, not the layers themselves, so that the payload is small numbers
-that compress to 16 or 8 bits without losing the layers' own scale (:mod:`worldlm_p2p.compression`). Since ``s <= 0`` for ``distance`` and
-``s <= 1/tau`` for ``cosine`` (shifted to ``<= 0``), ``u`` never overflows; scores are clamped at
+that compress to 16 or 8 bits without losing the layers' own scale (:mod:`worldlm_p2p.compression`).
+Since ``s <= 0`` for ``distance`` and ``s <= 1/tau`` for ``cosine`` (shifted to ``<= 0``), ``u`` never overflows; scores are clamped at
 :data:`MIN_SCORE` so that ``u`` never underflows to an all-zero denominator.
 
 Invariants (tested): ``tau -> inf`` gives the token-weighted mean; one peer with ``eps = 1`` gives
