@@ -165,11 +165,12 @@ def round_error(group: list[dict], rule=None) -> float:
     """Largest distance between a member's post-round model and what the pure round function
     (:func:`worldlm_p2p.rounds.region_round_with_anchor`) computes centrally from the members'
     pre-round models, weights and common anchor (0 when the all-reduce delivered every part to every
-    member). With evidence mixing, a member keeps ``pre + lam (agreed - pre)`` with the ``lam`` it
+    member); for an overlapped round (``current`` in the trace: the model when the result was
+    applied), that result plus the progress made meanwhile (:func:`worldlm_p2p.rounds.stale_apply`). With evidence mixing, a member keeps ``pre + lam (agreed - pre)`` with the ``lam`` it
     chose on its own tune slice (in its trace; the choice itself is the simulator tests' subject),
     and its agreed model must be the central one too."""
     from worldlm_p2p.mixing import interpolate
-    from worldlm_p2p.rounds import region_round_with_anchor
+    from worldlm_p2p.rounds import region_round_with_anchor, stale_apply
 
     rule = rule or round_rule()
     refs, _, agreed = region_round_with_anchor(rule, [t["pre"] for t in group], [t["weight"] for t in group],
@@ -180,6 +181,8 @@ def round_error(group: list[dict], rule=None) -> float:
             ref = interpolate(t["pre"], agreed, float(t.get("mix_lam") or 0.0))
             if t.get("agreed") is not None:
                 errors.append(max_abs_diff(t["agreed"], agreed))
+        if t.get("current") is not None:  # an overlapped round: applied one round stale
+            ref = stale_apply(ref, pre=t["pre"], current=t["current"])
         errors.append(max_abs_diff(t["post"], ref))
     return max(errors)
 

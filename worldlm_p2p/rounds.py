@@ -12,7 +12,8 @@ steps:
 3. :func:`region_step`: turn the averaged payload into the region's agreed model and the member's
    next model; with ``worldlm``'s evidence mixing, :func:`member_mix` then moves the member's own
    model towards the agreed one as far as its tune slice supports (and :func:`member_world_mix`
-   takes a world round's change the same way).
+   takes a world round's change the same way). With ``aggregation.overlap`` the round is computed
+   on a snapshot while training goes on, and :func:`stale_apply` adds the progress made meanwhile.
 
 What each strategy averages, where, and what crosses borders is a
 :class:`~worldlm_p2p.strategies.Strategy` (the table is in :mod:`worldlm_p2p.strategies`); the
@@ -226,6 +227,18 @@ def region_apply(rule: RoundRule, averaged: Sequence[torch.Tensor], *, params: S
     """The member's next model and the outer momentum (:func:`region_step` without the agreed model)."""
     model, _, new_m = region_step(rule, averaged, params=params, anchor=anchor, momentum=momentum)
     return model, new_m
+
+
+def stale_apply(new: Sequence[torch.Tensor], *, pre: Sequence[torch.Tensor], current: Sequence[torch.Tensor]
+                ) -> list[torch.Tensor]:
+    """An overlapped round's result, applied one round stale (``aggregation.overlap``): the member's
+    next model ``new``, computed from its snapshot ``pre`` while training went on to ``current``,
+    plus the local progress ``current - pre`` made meanwhile, in float32 and then in the model's
+    dtype. With nothing trained meanwhile (``current == pre``) it is ``new``, the synchronous round."""
+    if not (len(new) == len(pre) == len(current)):
+        raise ValueError(f"stale_apply: {len(new)} new, {len(pre)} snapshot and {len(current)} current tensors")
+    return [(n.detach().to(torch.float32) + (c.detach().to(torch.float32) - p.detach().to(torch.float32))).to(c.dtype)
+            for n, p, c in zip(new, pre, current)]
 
 
 def member_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], agreed: Sequence[torch.Tensor],

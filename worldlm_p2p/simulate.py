@@ -9,7 +9,9 @@ There is no second implementation of the math.
 
 Schedule: ``rounds`` region rounds of ``H`` local steps; for ``worldlm`` and ``hierfavg`` a world
 round among the regions' leaders after every ``world_every``-th region round, whose result every
-member adopts before it trains on. ``centralized`` trains one model on the pooled training data
+member adopts before it trains on. With ``aggregation.overlap`` a region round is computed at its
+boundary and applied at the next one with the members' progress meanwhile
+(:func:`~worldlm_p2p.rounds.stale_apply`), then its world round. ``centralized`` trains one model on the pooled training data
 for the same number of tokens (``peers x rounds x H`` steps of the same batch size). Deterministic
 for a seed (given the same torch build and thread count).
 
@@ -37,7 +39,7 @@ from worldlm_p2p.config import AggregationConfig, ModelConfig, PrivacyConfig, To
 from worldlm_p2p.errors import ConfigError, DataError
 from worldlm_p2p.privacy import BorderAccountant
 from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, member_world_mix,
-                               payload_codecs, region_payload, region_round_with_anchor, world_round)
+                               payload_codecs, region_payload, region_round_with_anchor, stale_apply, world_round)
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.strategies import strategy as strategy_of
 from worldlm_p2p.strategies import with_border_dp
@@ -171,6 +173,8 @@ class Simulator:
         self.world_reference = get_flat_params(base)
         self._flat_rounds = 0  # fedavg rounds run under border DP (numbers their noise draws)
         self._round = 0  # the region round in progress
+        # overlap: peer key -> (snapshot, next model) of the region round in flight
+        self._pending: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def _dp_sgd(self, *, steps: int):
         """Every peer's DP-SGD settings (None: off); the target epsilon is calibrated over the run's steps."""
@@ -196,7 +200,11 @@ class Simulator:
 
     # ------------------------------------------------------------------ rounds
     def _region_rounds(self, anchors: dict[str, list[torch.Tensor]], momenta: dict[str, Any]) -> None:
-        rule = self.rule
+        """Every group's region round. Synchronous: each member takes its next model now. With
+        ``aggregation.overlap``: the round is computed on the members' current models (the swarm's
+        snapshot) and kept in :attr:`_pending`; the members train on from their own models, and
+        :meth:`_apply_pending` applies it at the next round with the progress made meanwhile."""
+        rule, overlap = self.rule, self.config.aggregation.overlap
         for name, members in self._groups().items():
             params = [get_flat_params(p.model) for p in members]
             weights = [round_weight(p.tokens_since_round) for p in members]
@@ -212,12 +220,18 @@ class Simulator:
                                                 batch_size=self.config.train.batch_size,
                                                 seq_len=self.config.train.seq_len))
                 for p, c in zip(members, choices):
-                    p.tune_loss = c.loss if c is not None else None  # the slice loss of the model it keeps
+                    # the slice loss of the model it keeps (overlapped: it keeps the model plus what
+                    # it trains meanwhile, whose loss is not known)
+                    p.tune_loss = c.loss if c is not None and not overlap else None
                     if c is not None or (rule.evidence and len(members) > 1):  # no slice: took nothing
                         p.mixes.append(dict(round=self._round, kind="region", lam=c.lam if c else 0.0,
                                             gain=c.gain if c and math.isfinite(c.gain) else 0.0))
-            for p, tensors in zip(members, new):
-                set_params(p.model, tensors)
+            for p, own, tensors in zip(members, params, new):
+                if overlap:  # (the mixing search left trial parameters in the model)
+                    self._pending[p.key] = (own, tensors)
+                    set_params(p.model, own)
+                else:
+                    set_params(p.model, tensors)
                 p.tokens_since_round = 0
             template = region_payload(rule, params[0], params[0])  # (the layout; what it weighs on the wire)
             payload = sum(compression.nominal_bytes(t.numel(), c) for t, c in zip(template, payload_codecs(rule, template)))
@@ -227,6 +241,19 @@ class Simulator:
                 per_other = 2 * (payload // n) if n > 1 else 0
                 p.bytes_sent_region += per_other * (same - 1)
                 p.bytes_sent_border += per_other * (n - same)
+
+    def _apply_pending(self) -> bool:
+        """Apply the overlapped round computed at the last round boundary, one round stale
+        (:func:`~worldlm_p2p.rounds.stale_apply`): every member's next model from its snapshot plus
+        what it trained since. False when no round was pending."""
+        if not self._pending:
+            return False
+        for p in self.peers:
+            if p.key in self._pending:
+                pre, new = self._pending[p.key]
+                set_params(p.model, stale_apply(new, pre=pre, current=get_flat_params(p.model)))
+        self._pending = {}
+        return True
 
     def _noise(self, region: str, index: int) -> torch.Generator:
         """The border noise of ``region`` at round ``index``: seeded, so that a simulation repeats
@@ -296,6 +323,13 @@ class Simulator:
                 p.tokens_since_world = 0
         self.world_rounds.append(dict(round=index, weights=result.weights, fetched=result.fetched,
                                       **(dict(released=released) if released else {})))
+
+    def _overlapped_world_round(self, r: int, anchors: dict[str, list[torch.Tensor]]) -> None:
+        """With ``overlap``: apply region round ``r`` (pending since its boundary), then its world
+        round when one is due, as a swarm member counts a round towards world rounds once it has
+        applied it."""
+        if self._apply_pending() and self.rule.has_world_rounds and r % self.config.aggregation.world_every == 0:
+            self._world_round(r, anchors)
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, round_index: int) -> dict[str, Any]:
@@ -370,7 +404,14 @@ class Simulator:
                         p.last_train_loss = res.loss
                     self.on_progress((r - 1) * H * len(self.peers) + (i + 1) * H, total)
                 self._round = r
-                if self.rule.strategy.averages:
+                if self.rule.strategy.averages and cfg.aggregation.overlap:
+                    # the last round's result arrives now; then this round starts on a snapshot (the
+                    # last one is applied at once: nothing trains after it)
+                    self._overlapped_world_round(r - 1, anchors)
+                    self._region_rounds(anchors, momenta)
+                    if r == cfg.rounds:
+                        self._overlapped_world_round(r, anchors)
+                elif self.rule.strategy.averages:
                     self._region_rounds(anchors, momenta)
                     if self.rule.has_world_rounds and r % cfg.aggregation.world_every == 0:
                         self._world_round(r, anchors)

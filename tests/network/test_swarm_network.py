@@ -1,7 +1,7 @@
 """Real hivemind processes on 127.0.0.1: a bootstrap node and CLI peers.
 
 These check the trunk's promises end to end: region rounds equal the pure round function (backbone
-by token-weighted mean, key layers by attention),
+by token-weighted mean, key layers by attention; overlapped, applied one round stale),
 regions never mix, late joiners start from the region's model, a SIGKILLed peer does not stall
 the others, and checkpoints resume.
 """
@@ -29,7 +29,9 @@ def _exit_ok(proc, tmp, label, timeout=240):
 
 
 def test_region_rounds_equal_the_pure_round_and_regions_stay_apart(procs, tmp_path):
-    _, maddrs = start_bootstrap(procs, tmp_path, run_id="iso", inner_steps=5)
+    # overlapped rounds (aggregation.overlap): each round runs while the next H steps train, and is
+    # applied one round stale (tests/network/test_swarm_simulator_equivalence.py: a synchronous one)
+    _, maddrs = start_bootstrap(procs, tmp_path, run_id="iso", inner_steps=5, aggregation="overlap = true")
     a = start_peer(procs, tmp_path, maddrs, region="eu", sub="de_news-reviews-wiki", label="eu-a", max_steps=25)
     # eu-b runs outbound-only as a volunteer behind NAT would (--reachability outbound: a DHT client
     # whose averager is in hivemind's client mode): eu-a reduces every part, and the rounds are the same
@@ -66,6 +68,10 @@ def test_region_rounds_equal_the_pure_round_and_regions_stay_apart(procs, tmp_pa
         # each member's personal mix. (hivemind lets a member keep its local values for a part whose
         # reducer timed out, so a round on an overloaded machine may be partial: then the error, and
         # the difference between the next round's anchors, stay small, never arbitrary.)
+        # ... overlapped: computed on a snapshot and applied with the progress each made meanwhile
+        assert all(t["current"] is not None for t in group)
+        if r < min(max(traces(tmp_path, x)) for x in ("eu-a", "eu-b")):  # (the last one: nothing trained after it)
+            assert all(max_abs_diff(t["current"], t["pre"]) > 1e-4 for t in group)
         err = round_error(group)
         assert err < 0.05 and anchors_apart < 0.05, (r, err, anchors_apart)
         exact += err < 1e-5 and anchors_apart < 1e-6  # 1e-6: float rounding of the all-reduce

@@ -13,7 +13,8 @@ CHECKPOINTED = {"step", "tokens", "round", "rounds_completed", "rounds_failed", 
 SUMMARY = {"started_from", "initial_step", "steps", "tokens", "rounds_completed", "rounds_failed", "group_sizes",
            "round_seconds", "seconds_to_first_round", "first_train_loss", "last_train_loss", "bytes_sent",
            "bytes_received", "bytes_sent_border", "world_round", "world_rounds_led", "world_rounds_adopted",
-           "history", "mixes", "rounds_partial", "wire_sent", "wire_received"}
+           "history", "mixes", "rounds_partial", "wire_sent", "wire_received",
+           "seconds_in_rounds"}  # (seconds_in_rounds: added with overlapped rounds)
 
 
 def test_views_name_the_fields_they_always_did():

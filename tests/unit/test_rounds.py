@@ -9,7 +9,7 @@ from worldlm_p2p import attention, residual
 from worldlm_p2p.aggregation import weighted_mean
 from worldlm_p2p.outer_optim import outer_update
 from worldlm_p2p.rounds import (FETCH_MIN_WEIGHT, RoundRule, region_apply, region_payload, region_round,
-                                region_round_with_anchor,
+                                region_round_with_anchor, stale_apply,
                                 world_round)
 from worldlm_p2p.split import split_parameters
 
@@ -575,3 +575,33 @@ def test_a_world_change_is_refuted_when_it_undoes_half_of_what_the_region_learnt
     # a region that has learnt nothing yet still refuses what is worse than knowing nothing, by 2%
     assert not world_change_refuted(before=6.0, after=6.1, vocab_size=259)
     assert world_change_refuted(before=6.0, after=6.13, vocab_size=259)
+
+
+def test_stale_apply_adds_the_progress_made_while_the_round_was_in_flight():
+    # hand-computed: the round turned the snapshot [1, 2] into [3, 3]; meanwhile training went on
+    # from the snapshot to [1.5, 1]: the member ends at [3.5, 2]
+    pre, new, now = [torch.tensor([1.0, 2.0])], [torch.tensor([3.0, 3.0])], [torch.tensor([1.5, 1.0])]
+    assert torch.equal(stale_apply(new, pre=pre, current=now)[0], torch.tensor([3.5, 2.0]))
+    # nothing trained meanwhile: the synchronous round's result, bit for bit
+    assert torch.equal(stale_apply(new, pre=pre, current=pre)[0], new[0])
+    # the model's dtype is kept (the arithmetic is float32)
+    half = stale_apply(new, pre=pre, current=[now[0].to(torch.bfloat16)])[0]
+    assert half.dtype == torch.bfloat16 and torch.equal(half, torch.tensor([3.5, 2.0], dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="stale_apply"):
+        stale_apply(new, pre=pre, current=[])
+
+
+def test_a_stale_fedavg_round_keeps_each_members_own_progress():
+    """Two members, plain FedAvg: the round gives both the mean of their snapshots; each then adds
+    what it trained itself while the round was in flight, so they differ by exactly that."""
+    rule = _exact(robust="mean", strategy="fedavg")
+    x = [T([0.0, 0.0, 4.0]), torch.zeros(2, 2), T([1.0, 1.0]), torch.zeros(2, 3)]
+    y = [T([4.0, 8.0, 0.0]), torch.ones(2, 2), T([1.0, 5.0]), torch.full((2, 3), 2.0)]
+    new, _ = region_round(rule, [x, y], [1, 1], anchor=x, momentum=None)
+    dx = [T([0.5, 0.0, 0.0]), torch.zeros(2, 2), T([0.0, -1.0]), torch.zeros(2, 3)]  # trained meanwhile
+    dy = [torch.zeros(3), torch.full((2, 2), 0.25), torch.zeros(2), torch.ones(2, 3)]
+    ox = stale_apply(new[0], pre=x, current=[a + d for a, d in zip(x, dx)])
+    oy = stale_apply(new[1], pre=y, current=[a + d for a, d in zip(y, dy)])
+    mean = [T([2.0, 4.0, 2.0]), torch.full((2, 2), 0.5), T([1.0, 3.0]), torch.ones(2, 3)]  # (x + y) / 2
+    _close(ox, [m + d for m, d in zip(mean, dx)])
+    _close(oy, [m + d for m, d in zip(mean, dy)])

@@ -23,11 +23,11 @@ from worldlm_p2p.aggregation import allreduce_traffic, round_weight
 from worldlm_p2p.config import AggregationConfig, PrivacyConfig, TrainConfig, model_preset
 from worldlm_p2p.privacy import BorderAccountant
 from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, member_world_mix,
-                                region_round_with_anchor, world_round)
+                                region_round_with_anchor, stale_apply, world_round)
 from worldlm_p2p.simulate import SimConfig, Simulator, simulate
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.train import (ByteTokenizer, LocalTrainer, build_model, get_flat_params, hold_out_tune, load_texts,
-                               peer_data_seed, tokenize_splits)
+                               peer_data_seed, set_params, tokenize_splits)
 
 SIM = [sys.executable, "-m", "worldlm_p2p.cli.simulate"]
 LAYOUT = {"eu": ("de_news-reviews-wiki", "fi_mixed"), "na": ("en_answers", "en_email")}
@@ -267,6 +267,56 @@ def test_worldlm_region_round_equals_the_pure_round(corpus, mix):
                 assert c.loss <= c.own_loss  # never worse on the slice than its own model
     # regions never average with each other
     assert max_abs_diff(got[("eu", LAYOUT["eu"][0])], got[("na", LAYOUT["na"][0])]) > 1e-4
+
+
+@pytest.mark.parametrize("strategy", ["worldlm", "hierfavg"])
+def test_overlapped_rounds_equal_the_stale_pure_rounds(corpus, strategy):
+    """``aggregation.overlap``: round 1 is computed on the members' models at its boundary while they
+    train H more steps from those models; at round 2's boundary each member takes round 1's result
+    plus what it trained meanwhile (rounds.stale_apply), then round 2 runs on that, and the last
+    round is applied as the run ends, followed by the world round (world_every = 2)."""
+    config = sim_config(corpus, strategy, rounds=2, world_every=2, overlap=True)
+    sim = Simulator(config)
+    results = sim.run()
+    got = _sim_models(sim)
+    assert [w["round"] for w in sim.world_rounds] == [2]
+
+    init = get_flat_params(build_model(config.model, vocab_size=259, seed=0))
+    peers = {r: [_Rebuilt(config, corpus / r / s) for s in subs] for r, subs in LAYOUT.items()}
+    rule = _rule(config, peers["eu"][0].model)
+    anchors = {r: init for r in LAYOUT}
+    momenta: dict = {r: None for r in LAYOUT}
+    pending: dict = {}
+    for round_index in (1, 2):
+        for r, members in peers.items():
+            weights = [round_weight(p.train(H)) for p in members]
+            if round_index == 2:  # round 1's result arrives, with the H steps trained meanwhile
+                for p in members:
+                    pre, new = pending[p.label]
+                    now = get_flat_params(p.model)
+                    assert max_abs_diff(now, pre) > 1e-4  # it did train on while round 1 was in flight
+                    set_params(p.model, stale_apply(new, pre=pre, current=now))
+            pre = [get_flat_params(p.model) for p in members]
+            new, momenta[r], anchors[r] = region_round_with_anchor(
+                rule, pre, weights, anchor=anchors[r], momentum=momenta[r], loss_of=[p.loss_of for p in members])
+            for p, own, tensors in zip(members, pre, new):
+                pending[p.label] = (own, tensors)
+                set_params(p.model, own)  # (the mixing search left trial parameters in it)
+    for members in peers.values():  # the last round: applied at once (nothing trained after it)
+        for p in members:
+            set_params(p.model, pending[p.label][1])
+    tokens = {r: float(sum(p.tokens_since_world for p in members)) for r, members in peers.items()}
+    result = world_round(rule, anchors, tokens)
+    for r, members in peers.items():
+        delta = [n - a for n, a in zip(result.models[r], anchors[r])]
+        for p in members:
+            want, _ = member_world_mix(rule, own=get_flat_params(p.model), change=delta, loss_of=p.loss_of)
+            assert max_abs_diff(got[(r, p.label)], want) < 1e-6, (strategy, r, p.label)
+    # staleness is not free of effect: the synchronous schedule ends elsewhere
+    sync = Simulator(dataclasses.replace(config, aggregation=dataclasses.replace(config.aggregation, overlap=False)))
+    sync.run()
+    assert max(max_abs_diff(got[k], v) for k, v in _sim_models(sync).items()) > 1e-5
+    assert results["tokens"] == sum(p.tokens for members in peers.values() for p in members)
 
 
 @pytest.mark.parametrize("strategy", ["worldlm", "worldlm-mix-none", "hierfavg", "worldlm-border-dp",

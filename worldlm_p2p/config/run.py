@@ -194,6 +194,11 @@ class AggregationConfig:
     - ``compress_backbone`` / ``compress_key``: how a region round's payload travels, per tensor
       role: the backbone's change since the anchor, and the key layers' encoded change (``none``:
       float32; ``fp16``, the default; ``int8``: uniform 8-bit; :mod:`worldlm_p2p.compression`).
+    - ``overlap``: a region round runs in the background on a snapshot of the member's model while
+      the next H inner steps train; its result is applied at the next round, one round stale, with
+      the local progress made meanwhile kept (:func:`worldlm_p2p.rounds.stale_apply`; as in
+      Streaming DiLoCo, arXiv 2501.18512, and DiLoCoX's one-step delay, arXiv 2506.21263). Training
+      waits only for a round slower than H inner steps. False: every peer waits for its round.
     """
 
     strategy: StrategyName = "worldlm"
@@ -223,6 +228,7 @@ class AggregationConfig:
     robust_clip: float = 4.0
     compress_backbone: WireCodec = "fp16"
     compress_key: WireCodec = "fp16"
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         _require_finite("aggregation", self, ("eps", "residual_tau", "residual_beta", "mix_world_max", "tune_fraction",
@@ -261,6 +267,7 @@ class AggregationConfig:
                  f"{self.robust!r} is not one of {', '.join(ROBUST_RULES)}")
         _require(math.isfinite(self.robust_clip) and self.robust_clip >= 1, "aggregation.robust_clip",
                  "must be a finite number >= 1, e.g. 4")
+        _require(isinstance(self.overlap, bool), "aggregation.overlap", "must be true or false")
         for name in ("compress_backbone", "compress_key"):
             _require(getattr(self, name) in WIRE_CODECS, f"aggregation.{name}",
                      f"{getattr(self, name)!r} is not one of {', '.join(WIRE_CODECS)}")

@@ -60,6 +60,7 @@ class Peer:
 
         self._wire = WireMeter()  # from the start: the sockets of joining count too
         self._net = self._averager = self._world = self._progress = self._member = self._state = None
+        self._round: RegionRound | None = None
 
     def stop(self) -> None:
         """Ask :meth:`run` to finish the current step and exit cleanly (signal-safe)."""
@@ -134,7 +135,8 @@ class Peer:
                               for t, c in zip(template, codecs or ["none"] * len(template))),
             fetch_others=others, publish=progress.publish,
             stopping=self._stop.is_set, trace=self._trace, events=self.events,
-            before_average=world.maybe_adopt if world else lambda: None,
+            before_average=(lambda: world.maybe_adopt(fetch=not m.aggregation.overlap)) if world else lambda: None,
+            in_flight_fetch=(lambda: world.prefetch() and None) if world and m.aggregation.overlap else lambda: None,
             on_averaged=(lambda result: world.count(gathered_tokens(result))) if world else lambda result: None,
             on_alone=self._region_of_one,
             on_refresh=lambda missed, why: joining.resync_anchor(missed, why, **parts),
@@ -176,10 +178,18 @@ class Peer:
             if s.step % H == 0:
                 s.history_point()
                 if self.rule.strategy.averages:
-                    self._round.run()
+                    still = time.monotonic()
+                    # overlapped: the last round is applied and this one runs while training goes on
+                    self._round.start() if m.aggregation.overlap else self._round.run()
+                    s.seconds_in_rounds += time.monotonic() - still
             if s.step % cfg.checkpoint_every == 0:
                 self._checkpoint()
                 last_ckpt = s.step
+        if self._round is not None and self._round.in_flight:  # the last overlapped round: applied as it ends
+            still = time.monotonic()
+            self._round.finish()
+            s.seconds_in_rounds += time.monotonic() - still
+            last_ckpt = -1
         if s.step != last_ckpt or (cfg.checkpoint_dir and s.step == 0):
             self._checkpoint()
         self._stop.set()
@@ -264,6 +274,8 @@ class Peer:
     def shutdown(self) -> None:
         """Stop background processes (world rounds, averager, DHT and its p2p daemon). Safe to call twice."""
         self._stop.set()
+        if self._round is not None:
+            self._round.abandon(timeout=10)  # an overlapped round still in flight (it sees the stop)
         world, self._world = self._world, None
         if world is not None:
             world.shutdown()

@@ -17,8 +17,11 @@
    (:func:`worldlm_p2p.rounds.member_mix`), then the region's state takes the agreed model and the
    momentum, and the peer serves it.
 
-Steps 2's computation reads only the snapshot and the region state it is given (so that it can
-later run in the background while training goes on); only step 3 writes.
+Steps 1 and 2 read only the snapshot and the region state (:meth:`RegionRound._fly`); only step 3
+writes the model (:meth:`RegionRound._conclude`). A synchronous round runs them in turn
+(:meth:`RegionRound.run`); with ``aggregation.overlap`` steps 1 and 2 run in a background thread
+while the next H inner steps train (:meth:`RegionRound.start`), and step 3 applies the result at the
+next round, one round stale (:meth:`RegionRound.finish`, :func:`worldlm_p2p.rounds.stale_apply`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import collections
 import dataclasses
 import enum
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -71,6 +75,19 @@ class Averaged:
     momentum: list[torch.Tensor] | None = None
 
 
+@dataclass(slots=True)
+class _Flight:
+    """One round between its snapshot and its conclusion: the snapshot ``pre`` and the tokens
+    trained up to it; what the barrier decided, the average, or the error that stopped it."""
+
+    pre: list[torch.Tensor] | None  # (None: a synchronous round, taken after the barrier)
+    tokens: int
+    thread: threading.Thread | None = None
+    decision: barrier.Decision | None = None
+    averaged: Averaged | None = None
+    error: str = ""
+
+
 class Strikes:
     """Rounds in which each peer was caught (by this peer's reducer, or as a reducer that failed
     it), and the peers banned after ``ban_after`` of them."""
@@ -99,8 +116,10 @@ class RegionRound:
                  before_average: Callable[[], None], on_averaged: Callable[[RoundResult], None],
                  on_alone: Callable[[bool], None], on_refresh: Callable[[int, str], None], events: EventLog,
                  admitted: Callable[[], set[str] | None] = lambda: None, banned: set[str] | None = None,
-                 outbound: bool = False) -> None:
-        """``before_average()``: world changes due are adopted there; ``on_averaged(result)``: counts
+                 outbound: bool = False, in_flight_fetch: Callable[[], None] = lambda: None) -> None:
+        """``before_average()``: world changes due are adopted there (main thread);
+        ``in_flight_fetch()``: on the round's network path, before the barrier (a world change the
+        leader announced is downloaded there); ``on_averaged(result)``: counts
         the round towards world rounds; ``on_alone(no_live_peer)``: the region of one;
         ``on_refresh(missed, why)``: this peer's anchor may be stale (the region went ``missed``
         rounds ahead of it, or its last round failed here while others may have taken theirs): it
@@ -118,26 +137,97 @@ class RegionRound:
         self.strikes = Strikes(ban_after=averaging.ban_after, banned=banned)
         self._was_alone = False
         self._failed_last = False  # the last round failed here: the others may hold a newer anchor
+        self._flight: _Flight | None = None  # an overlapped round in the background
+        self.in_flight_fetch = in_flight_fetch
 
     def run(self) -> Outcome:
-        s = self.stats
+        """A synchronous round: training waits for it (``aggregation.overlap`` off)."""
+        flight = _Flight(pre=None, tokens=int(self.stats.tokens_since_round))  # snapshot after the barrier
+        self._fly(flight)
+        return self._conclude(flight)
 
-        def announce(r: int) -> None:
-            s.waiting_for_round = r
-            self.publish()
+    def start(self) -> None:
+        """An overlapped round (``aggregation.overlap``): apply the round in flight, if any (waiting
+        for it only if it is not done yet), adopt a world change due, then start this round on a
+        snapshot of the model in a background thread and return: training goes on meanwhile."""
+        self.finish()
+        self.before_average()
+        flight = self._snapshot()
+        flight.thread = threading.Thread(target=self._fly, args=(flight,), name=f"region-round-{self.stats.round}",
+                                         daemon=True)
+        self._flight = flight
+        flight.thread.start()
 
-        decision = barrier.wait_for_region(my_round=s.round, fetch_others=self.fetch_others, announce=announce,
-                                           timeout=self.averaging.barrier_timeout, should_stop=self.stopping,
-                                           outbound=self.outbound)
-        missed, s.round = decision.round - s.round, decision.round
-        if (missed > 0 or self._failed_last) and decision.action is not barrier.Action.ALONE and not self.stopping():
-            # every member of a round must hold the same anchor (the reference of the K attention, of
-            # the outer step and of the pure round); a peer that the region went ahead of, or whose
-            # last round failed on its side only, takes the region's current one
-            self.on_refresh(missed, "the region went ahead" if missed > 0 else "its last round failed here")
-            self._failed_last = False
-        if decision.action is barrier.Action.ALONE or self.stopping():
-            outcome = Outcome.STOPPED if self.stopping() else Outcome.ALONE
+    def finish(self) -> Outcome | None:
+        """Wait for the round in flight and apply it, one round stale: its result for the snapshot
+        plus the local progress made since (:func:`worldlm_p2p.rounds.stale_apply`). None: no round
+        was in flight."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return None
+        if flight.thread is not None:
+            flight.thread.join()
+        return self._conclude(flight)
+
+    def abandon(self, *, timeout: float) -> None:
+        """On shutdown: wait (at most ``timeout`` seconds) for a round in flight to see the stop,
+        without applying it."""
+        flight, self._flight = self._flight, None
+        if flight is not None and flight.thread is not None:
+            flight.thread.join(timeout=timeout)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._flight is not None
+
+    def _snapshot(self) -> "_Flight":
+        return _Flight(pre=self.member.params(), tokens=int(self.stats.tokens_since_round))
+
+    def _fly(self, flight: "_Flight") -> None:
+        """Steps 1 and 2 (barrier, average), on the snapshot only: inline for a synchronous round, in
+        a background thread for an overlapped one. It writes the flight, the round index and, on a
+        stale anchor, the region state's anchor (:func:`worldlm_p2p.peer.joining.resync_anchor`:
+        the model is not touched); everything else waits for :meth:`_conclude`."""
+        try:
+            s = self.stats
+            self.in_flight_fetch()
+
+            def announce(r: int) -> None:
+                s.waiting_for_round = r
+                self.publish()
+
+            decision = barrier.wait_for_region(my_round=s.round, fetch_others=self.fetch_others, announce=announce,
+                                               timeout=self.averaging.barrier_timeout, should_stop=self.stopping,
+                                               outbound=self.outbound)
+            flight.decision = decision
+            missed, s.round = decision.round - s.round, decision.round
+            if (missed > 0 or self._failed_last) and decision.action is not barrier.Action.ALONE \
+                    and not self.stopping():
+                # every member of a round must hold the same anchor (the reference of the K attention,
+                # of the outer step and of the pure round); a peer that the region went ahead of, or
+                # whose last round failed on its side only, takes the region's current one
+                self.on_refresh(missed, "the region went ahead" if missed > 0 else "its last round failed here")
+                self._failed_last = False
+            if decision.action is barrier.Action.ALONE or self.stopping():
+                return
+            if flight.pre is None:  # a synchronous round: world changes due now, then the snapshot
+                self.before_average()
+                flight.pre = self.member.params()
+            flight.averaged = self.average(flight.pre, waiting=decision.waiting, tokens=flight.tokens)
+        except Exception as e:  # never kill the peer for a round: it counts as failed
+            logger.warning("round %d: %s: %s", self.stats.round, type(e).__name__, e)
+            flight.error = f"{type(e).__name__}: {e}"
+
+    def _conclude(self, flight: "_Flight") -> Outcome:
+        """Step 3 and the round's books, in the main thread (it sets the model)."""
+        s, decision = self.stats, flight.decision
+        if flight.averaged is None and (decision is None or decision.action is barrier.Action.ALONE
+                                        or self.stopping()):
+            outcome = Outcome.STOPPED if self.stopping() or decision is None else Outcome.ALONE
+            if flight.error and not self.stopping():
+                outcome = Outcome.FAILED
+                s.rounds_failed += 1
+                self._failed_last = True
             if outcome is Outcome.ALONE:
                 level = logging.DEBUG if self._was_alone else logging.INFO
                 if decision.live:  # (an outbound-only peer whose live region mates are all outbound-only too)
@@ -149,20 +239,30 @@ class RegionRound:
                     logger.log(level, "round %d: no other live peer in region %s, training on locally", s.round,
                                self.region)
                 self.on_alone(decision.live == 0)
-            self._was_alone = True
+                self._was_alone = True
             s.waiting_for_round = -1
-            self.events.emit("round", round=s.round, outcome=outcome.value, group_size=1, seconds=0.0, step=s.step)
+            self.events.emit("round", round=s.round, outcome=outcome.value, group_size=1, seconds=0.0, step=s.step,
+                             **({"error": flight.error} if flight.error else {}))
             s.round += 1
             return outcome
         self._was_alone = False
-        self.before_average()
-        averaged = self.average(self.member.params(), waiting=decision.waiting)
+        averaged = flight.averaged
+        if averaged is None:  # the round failed between the barrier and the average
+            pre = flight.pre if flight.pre is not None else self.member.params()
+            averaged = Averaged(result=RoundResult(ok=False, group_size=0, gathered={}, averaged=None,
+                                                   error=flight.error), pre=pre, anchor=self.state.anchor,
+                                weight=0.0)
         self.judge(averaged.result)
-        outcome = self.apply(averaged, expected=decision.waiting + 1)
+        since = s.tokens_since_round - flight.tokens  # trained while the round was in flight
+        outcome = self.apply(averaged, expected=decision.waiting + 1 if decision is not None else None,
+                             current=self.member.params() if flight.thread is not None else None)
+        if averaged.result.ok:
+            s.tokens_since_round = since
         self._failed_last = outcome is Outcome.FAILED
         r = averaged.result
         self.events.emit("round", round=s.round, outcome=outcome.value, group_size=r.group_size,
-                         seconds=round(r.seconds, 4), step=s.step, expected=decision.waiting + 1,
+                         seconds=round(r.seconds, 4), step=s.step,
+                         expected=decision.waiting + 1 if decision is not None else None,
                          **({"error": r.error} if not r.ok else {}),
                          **({"dropped": list(r.report.dropped)} if r.report.dropped else {}))
         s.round += 1
@@ -171,9 +271,11 @@ class RegionRound:
         return outcome
 
     # ------------------------------------------------------------------ step 2: average
-    def average(self, pre: list[torch.Tensor], *, waiting: int) -> Averaged:
+    def average(self, pre: list[torch.Tensor], *, waiting: int, tokens: int | None = None) -> Averaged:
+        """``tokens``: what the member trained up to the snapshot ``pre`` (default: up to now)."""
         s, anchor = self.stats, self.state.anchor
-        weight = aggregation.round_weight(s.tokens_since_round)
+        tokens = s.tokens_since_round if tokens is None else tokens
+        weight = aggregation.round_weight(tokens)
         payload = rounds.region_payload(self.rule, pre, anchor)
         self.averager.set_target_group_size(min(waiting + 1, self.averaging.target_group_size))
         admitted = self.admitted()
@@ -181,7 +283,7 @@ class RegionRound:
             self.averager.set_admitted(admitted)
         digest = state_digest(anchor)
         result = self.averager.run_round(payload, weight=weight, gather=dict(
-            label=self.label, weight=weight, tokens=s.tokens_since_round, round=s.round, world=s.world_round,
+            label=self.label, weight=weight, tokens=tokens, round=s.round, world=s.world_round,
             outbound=self.outbound, anchor=digest))
         if result.ok and (why := anchor_disagreement(result.gathered, digest)):
             # the payload is each member's change since its anchor: this member applies the group's
@@ -227,9 +329,12 @@ class RegionRound:
         return f" ({str(label)[:40]!r})" if label else ""
 
     # ------------------------------------------------------------------ step 3: apply
-    def apply(self, a: Averaged, *, expected: int | None = None) -> Outcome:
+    def apply(self, a: Averaged, *, expected: int | None = None, current: list[torch.Tensor] | None = None
+              ) -> Outcome:
         """``expected``: the peers (this one included) that waited for the round at the barrier; a
-        smaller group, or a sender dropped by this peer's reducer, makes the round partial."""
+        smaller group, or a sender dropped by this peer's reducer, makes the round partial.
+        ``current``: the member's model now, for an overlapped round computed on the snapshot
+        ``a.pre`` (None: a synchronous round, the model is ``a.pre``)."""
         s, result = self.stats, a.result
         lost = lost_parts(group_size=result.group_size, expected=expected, target=self.averaging.target_group_size,
                           dropped=result.report.dropped) if result.ok else []
@@ -240,7 +345,7 @@ class RegionRound:
             self.member.record_mix("region", s.round, mix)
         if result.ok:
             self.state.momentum = a.momentum
-            self.member.set(new)
+            self.member.set(new if current is None else rounds.stale_apply(new, pre=a.pre, current=current))
             self.state.anchor = a.agreed
             clients = sum(1 for g in result.gathered.values() if isinstance(g, dict) and g.get("outbound") is True)
             sent, received = aggregation.allreduce_traffic(self.payload_bytes, result.group_size, clients=clients,
@@ -263,10 +368,12 @@ class RegionRound:
                             result.seconds, a.weight)
         else:
             s.rounds_failed += 1
+            if current is not None:  # (a mixing search leaves its trial parameters in the model)
+                self.member.set(current)
             logger.warning("round %d: all-reduce failed (%s); keeping the local model", s.round, result.error)
         self.trace(f"round-{s.round:05d}", dict(ok=result.ok, weight=a.weight, pre=a.pre, anchor=a.anchor,
                                                 agreed=self.state.anchor if result.ok else None,
-                                                mix_lam=mix.lam if mix is not None else None,
+                                                mix_lam=mix.lam if mix is not None else None, current=current,
                                                 gathered=result.gathered, post=self.member.params()))
         if not result.ok:
             return Outcome.FAILED

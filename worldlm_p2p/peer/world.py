@@ -204,18 +204,26 @@ class WorldRounds:
                     c.world_round, ", ".join(done.regions), done.seconds)
 
     # ------------------------------------------------------------------ member side
-    def maybe_adopt(self) -> None:
-        """Before a region round: fetch the leader's latest world result as soon as it is announced,
-        and adopt it at the region round the leader set, the same one for every member (rebase: the
-        change the world round made to the region's model is added to this peer's model and anchor,
-        so the local progress made meanwhile is kept)."""
+    def prefetch(self) -> WorldChange | None:
+        """Download the leader's latest world result as soon as its lease record announces it (a
+        network call: an overlapped round makes it in its background thread). The change known."""
         s = self.stats
-        self.collect()
         leader = self.lease.leader()
         known = self.state.change
         if (leader is not None and leader.peer_id != self.peer_id and leader.world_round > s.world_round
                 and (known is None or known.world_round < leader.world_round)):
             known = self._download(leader) or known
+        return known
+
+    def maybe_adopt(self, *, fetch: bool = True) -> None:
+        """Before a region round: fetch the leader's latest world result as soon as it is announced
+        (``fetch``; False: :meth:`prefetch` does that elsewhere), and adopt it at the region round
+        the leader set, the same one for every member (rebase: the change the world round made to
+        the region's model is added to this peer's model and anchor, so the local progress made
+        meanwhile is kept)."""
+        s = self.stats
+        self.collect()
+        known = self.prefetch() if fetch else self.state.change
         if known is None or known.world_round <= s.world_round or s.round < known.apply_round:
             return
         if (known.source, known.world_round) in self._refuted:
