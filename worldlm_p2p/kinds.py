@@ -26,6 +26,8 @@ OuterOptimizer = Literal["sgd", "nesterov"]
 RobustRule = Literal["clip", "mean"]
 #: how a region round's payload travels (:mod:`worldlm_p2p.compression`)
 WireCodec = Literal["none", "fp16", "int8"]
+#: when a region round is due (:func:`worldlm_p2p.net.barrier.round_due`)
+RoundSchedule = Literal["steps", "tokens"]
 
 SWARM_STRATEGIES: tuple[str, ...] = get_args(SwarmStrategy)
 STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)
@@ -36,3 +38,4 @@ PERSONAL_SCOPES: tuple[str, ...] = get_args(PersonalScope)
 OUTER_OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizer)
 ROBUST_RULES: tuple[str, ...] = get_args(RobustRule)
 WIRE_CODECS: tuple[str, ...] = get_args(WireCodec)
+ROUND_SCHEDULES: tuple[str, ...] = get_args(RoundSchedule)

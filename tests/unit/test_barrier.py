@@ -1,8 +1,9 @@
 """The region barrier's pure rule and its bounded wait."""
 
+import dataclasses
 import time
 
-from worldlm_p2p.net.barrier import Action, decide, wait_for_region
+from worldlm_p2p.net.barrier import MIN_OWN_SHARE, Action, decide, region_tokens, round_due, wait_for_region
 from worldlm_p2p.net.records import ProgressRecord
 
 
@@ -94,3 +95,61 @@ def test_a_round_that_lost_a_part_is_partial():
     why = lost_parts(group_size=3, expected=3, target=8, dropped=("QmB",))
     assert why == ["this peer's reducer dropped the part of QmB"]
     assert lost_parts(group_size=3, expected=None, target=8) == []
+
+
+# ------------------------------------------------------------------ rounds due by the region's tokens
+
+
+def paced(label, *, round_tokens, rate=0.0, at=100.0, waiting=-1, finished=False):
+    return dataclasses.replace(rec(label, waiting=waiting, finished=finished), round_tokens=round_tokens,
+                               tokens_per_s=rate, time=at)
+
+
+def test_region_tokens_extrapolate_each_record_for_a_bounded_time():
+    # hand-computed: own 100; b's record (made 2 s ago) says 300 at 50 tokens/s -> 400; c's record is
+    # 30 s old at 10 tokens/s: at most max_age = 4 s of it -> 200 + 40; d has finished: nothing
+    others = [paced("b", round_tokens=300, rate=50, at=98.0), paced("c", round_tokens=200, rate=10, at=70.0),
+              paced("d", round_tokens=999, rate=999, finished=True)]
+    assert region_tokens(my_tokens=100, others=others, now=100.0, max_age=4.0) == 100 + 400 + 240
+    # a record from the future (clock skew) is not extrapolated backwards
+    assert region_tokens(my_tokens=0, others=[paced("b", round_tokens=10, rate=5, at=200.0)], now=100.0,
+                         max_age=4.0) == 10
+    # the cap bounds what one member counts for
+    assert region_tokens(my_tokens=0, others=[paced("b", round_tokens=10**9)], now=100.0, max_age=4.0,
+                         cap=2000) == 2000
+
+
+def test_a_round_is_due_when_the_region_trained_its_share_whatever_the_speeds():
+    T = 1000  # tokens per member per round (H x batch x seq_len)
+    # alone: after T of its own
+    assert not round_due(my_tokens=999, my_round=3, others=[], now=100.0, tokens_per_member=T, max_age=4.0)
+    assert round_due(my_tokens=1000, my_round=3, others=[], now=100.0, tokens_per_member=T, max_age=4.0)
+    # a fast peer (1300) with a slow one (700): 2000 = 2 x T, due for both, neither waited for H steps
+    slow, fast = paced("slow", round_tokens=700, at=100.0), paced("fast", round_tokens=1300, at=100.0)
+    assert round_due(my_tokens=1300, my_round=3, others=[slow], now=100.0, tokens_per_member=T, max_age=4.0)
+    assert round_due(my_tokens=700, my_round=3, others=[fast], now=100.0, tokens_per_member=T, max_age=4.0)
+    assert not round_due(my_tokens=1299, my_round=3, others=[slow], now=100.0, tokens_per_member=T, max_age=4.0)
+    # a member waiting for this very round makes it due for everyone (once it trained a quarter)
+    waiter = paced("b", round_tokens=0, waiting=3)
+    assert round_due(my_tokens=250, my_round=3, others=[waiter], now=100.0, tokens_per_member=T, max_age=4.0)
+    assert not round_due(my_tokens=249, my_round=3, others=[waiter], now=100.0, tokens_per_member=T, max_age=4.0)
+    # ... but not one waiting for another round (a round in flight, or an absurd claim)
+    for other_round in (2, 4, 10**6):
+        w = paced("b", round_tokens=0, waiting=other_round)
+        assert not round_due(my_tokens=900, my_round=3, others=[w], now=100.0, tokens_per_member=T, max_age=4.0)
+
+
+def test_a_member_that_lies_about_its_tokens_makes_rounds_at_most_a_few_times_more_frequent():
+    T = 1000
+    liar = paced("liar", round_tokens=10**12, rate=1e12, at=100.0)
+    # in a region of 2, it counts for 2 T at most: the honest member enters after a quarter of T of its own
+    assert not round_due(my_tokens=MIN_OWN_SHARE * T - 1, my_round=0, others=[liar], now=100.0, tokens_per_member=T,
+                         max_age=4.0)
+    assert round_due(my_tokens=MIN_OWN_SHARE * T, my_round=0, others=[liar], now=100.0, tokens_per_member=T,
+                     max_age=4.0)
+    # with two honest members it counts for 2 T of the 3 T due: they enter after half of T each, rounds
+    # twice as frequent as honest ones would make them, with each member's weight its own tokens
+    assert not round_due(my_tokens=499, my_round=0, others=[liar, paced("h", round_tokens=499, at=100.0)],
+                         now=100.0, tokens_per_member=T, max_age=4.0)
+    assert round_due(my_tokens=500, my_round=0, others=[liar, paced("h", round_tokens=500, at=100.0)], now=100.0,
+                     tokens_per_member=T, max_age=4.0)

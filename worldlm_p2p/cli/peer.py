@@ -26,7 +26,7 @@ _PEER_KEYS = {
     "region": str, "data": str, "run_id": str, "label": str, "max_steps": int, "max_tokens": int, "device": str,
     "checkpoint_dir": str, "checkpoint_every": int, "threads": int, "initial_peers": list, "host_maddrs": list,
     "announce_maddrs": list, "identity": str, "summary": str, "manifest_wait": float, "trace_dir": str, "events": str, "certificate": str,
-    "wait_for_peers": int, "run_key": str, "privacy": dict, "reachability": str,
+    "wait_for_peers": int, "run_key": str, "privacy": dict, "reachability": str, "slowdown": float,
 }
 
 
@@ -69,6 +69,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--wait-for-peers", type=int, metavar="N",
                    help="before training, wait until N peers of the region (this one included) are live, for at "
                         "most 5 minutes (default 0: start at once)")
+    p.add_argument("--slowdown", type=float, metavar="F",
+                   help="emulate a device F times slower (experiments with peers of different speeds): sleep "
+                        "(F - 1) times each step's duration after it (default 1)")
     p.add_argument("--trace-dir", metavar="DIR", help=argparse_suppress())
     add_flags(p.add_argument_group("differential privacy (the region's policy: [peer.privacy] in its profile)"),
               {"privacy": PrivacyConfig}, PRIVACY_FLAGS)
@@ -154,7 +157,7 @@ def make_config(args) -> PeerConfig:
     )
     for key, name in (("device", "device"), ("checkpoint_every", "checkpoint_every"),
                       ("manifest_wait", "manifest_wait"), ("wait_for_peers", "wait_for_peers"),
-                      ("run_key", "run_key")):
+                      ("run_key", "run_key"), ("slowdown", "slowdown")):
         if peer.get(key) is not None:
             kwargs[name] = peer[key]
     config = PeerConfig(**kwargs)

@@ -142,9 +142,15 @@ class PeerConfig:
     certificate_path: str | None = None  # the region's admission of this peer (worldlm-admit issue)
     events_path: str | None = None  # structured event log, one JSON object per line (worldlm_p2p.peer.events)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # the region's policy ([peer.privacy])
+    # emulate a device this many times slower (experiments with peers of different speeds): after
+    # each step the peer sleeps (slowdown - 1) times the step's duration; 1: full speed
+    slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         check_name("region", self.region)
+        _require(isinstance(self.slowdown, (int, float)) and not isinstance(self.slowdown, bool)
+                 and math.isfinite(self.slowdown) and 1 <= self.slowdown <= 100, "slowdown",
+                 "must be a number from 1 (full speed) to 100")
         if self.run_id is not None:
             check_name("run id", self.run_id)
         _require(self.max_steps is None or self.max_steps > 0, "max_steps", "must be a positive integer")

@@ -16,8 +16,9 @@ from typing import Any, Mapping
 
 from worldlm_p2p.errors import ConfigError
 from worldlm_p2p.kinds import (ATTENTION_FORMS, MIX_RULES, OUTER_OPTIMIZERS, PERSONAL_SCOPES, ROBUST_RULES,
-                               STRATEGY_NAMES, SWARM_STRATEGIES, WIRE_CODECS, WORLD_TARGETS, AttentionForm, MixRule,
-                               OuterOptimizer, PersonalScope, RobustRule, StrategyName, WireCodec, WorldTarget)
+                               ROUND_SCHEDULES, STRATEGY_NAMES, SWARM_STRATEGIES, WIRE_CODECS, WORLD_TARGETS,
+                               AttentionForm, MixRule, OuterOptimizer, PersonalScope, RobustRule, RoundSchedule,
+                               StrategyName, WireCodec, WorldTarget)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
@@ -199,6 +200,14 @@ class AggregationConfig:
       the local progress made meanwhile kept (:func:`worldlm_p2p.rounds.stale_apply`; as in
       Streaming DiLoCo, arXiv 2501.18512, and DiLoCoX's one-step delay, arXiv 2506.21263). Training
       waits only for a round slower than H inner steps. False: every peer waits for its round.
+    - ``schedule``: when a region round is due. ``"steps"`` (the default): after every H inner steps
+      of each member (peers of different speeds meet at the barrier, where the fast ones wait for
+      the slowest). ``"tokens"``: when the region's live members have together trained H steps'
+      worth of tokens each since the last round (``H x batch_size x seq_len`` times the members),
+      as their progress records tell (:func:`worldlm_p2p.net.barrier.round_due`, the pace that
+      hivemind's ``target_batch_size`` sets); every member then contributes what it trained,
+      weighted by its tokens, so a slow member neither stalls the others nor is left out. With
+      equal speeds both schedules are the same (the simulator runs equal speeds).
     """
 
     strategy: StrategyName = "worldlm"
@@ -229,6 +238,7 @@ class AggregationConfig:
     compress_backbone: WireCodec = "fp16"
     compress_key: WireCodec = "fp16"
     overlap: bool = False
+    schedule: RoundSchedule = "steps"
 
     def __post_init__(self) -> None:
         _require_finite("aggregation", self, ("eps", "residual_tau", "residual_beta", "mix_world_max", "tune_fraction",
@@ -268,6 +278,8 @@ class AggregationConfig:
         _require(math.isfinite(self.robust_clip) and self.robust_clip >= 1, "aggregation.robust_clip",
                  "must be a finite number >= 1, e.g. 4")
         _require(isinstance(self.overlap, bool), "aggregation.overlap", "must be true or false")
+        _require(self.schedule in ROUND_SCHEDULES, "aggregation.schedule",
+                 f"{self.schedule!r} is not one of {', '.join(ROUND_SCHEDULES)}")
         for name in ("compress_backbone", "compress_key"):
             _require(getattr(self, name) in WIRE_CODECS, f"aggregation.{name}",
                      f"{getattr(self, name)!r} is not one of {', '.join(WIRE_CODECS)}")

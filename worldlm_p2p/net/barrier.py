@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -81,3 +82,45 @@ def wait_for_region(*, my_round: int, fetch_others: Callable[[], list[ProgressRe
             return Decision(Action.GO, decision.round, decision.waiting, decision.live)
         return Decision(Action.ALONE, decision.round, 0, decision.live)
     return decision
+
+
+
+#: under ``schedule = "tokens"`` a member counts for at most this many rounds' worth of tokens per
+#: member (the robust rule's weight cap, ``aggregation.max_round_weight``), and enters a round only
+#: once it has trained this share of one itself: a record that lies about its tokens or its round
+#: can make a region's rounds at most this many times more frequent, never continuous
+MAX_MEMBER_SHARE = 2.0
+MIN_OWN_SHARE = 0.25
+
+
+def region_tokens(*, my_tokens: int, others: Sequence[ProgressRecord], now: float, max_age: float,
+                  cap: float = math.inf) -> float:
+    """The tokens the region's live members have trained since they last entered a round, as far as
+    this peer can tell at ``now`` (DHT time): its own ``my_tokens`` exactly, and for every other
+    live member the ``round_tokens`` its record says plus what it trains at its ``tokens_per_s``
+    in the time since the record was made (at most ``max_age`` seconds of it, so that a record a
+    dead peer left behind does not count for ever), each member's count at most ``cap``."""
+    total = float(my_tokens)
+    for r in others:
+        if r.finished:
+            continue
+        total += min(r.round_tokens + r.tokens_per_s * min(max(now - r.time, 0.0), max_age), cap)
+    return total
+
+
+def round_due(*, my_tokens: int, my_round: int, others: Sequence[ProgressRecord], now: float, tokens_per_member: int,
+              max_age: float) -> bool:
+    """Whether this peer's next region round (index ``my_round``) is due under ``aggregation.schedule
+    = "tokens"``, once it has trained ``MIN_OWN_SHARE`` of ``tokens_per_member`` itself: when a live
+    member of the region already waits for exactly this round (so that everyone enters it within one
+    read of the records), or when the region has trained ``tokens_per_member`` tokens per live member
+    since the last round (:func:`region_tokens`, this peer included, each member counted for at most
+    ``MAX_MEMBER_SHARE`` of that), whatever the members' speeds. A peer alone in its region is due
+    after ``tokens_per_member`` of its own."""
+    if my_tokens < MIN_OWN_SHARE * tokens_per_member:
+        return False
+    live = [r for r in others if not r.finished]
+    if any(r.waiting_for_round == my_round for r in live):
+        return True
+    return region_tokens(my_tokens=my_tokens, others=live, now=now, max_age=max_age,
+                         cap=MAX_MEMBER_SHARE * tokens_per_member) >= tokens_per_member * (1 + len(live))

@@ -82,6 +82,9 @@ class ProgressRecord:
     rounds_partial: int = 0  # of rounds_completed, those that lost a part
     wire_sent: int = -1  # measured TCP bytes of the peer's processes since it started (-1: not measured)
     wire_received: int = -1
+    # tokens it trained since it last entered a region round (what it brings to the next one; the
+    # region's pace when rounds are due by tokens: worldlm_p2p.net.barrier.round_due)
+    round_tokens: int = 0
     # not on the wire: the peer id of the key that signed the record in the DHT (set by the reader)
     signer: str | None = field(default=None, compare=False)
 
@@ -110,6 +113,7 @@ class ProgressRecord:
         d["reachability"] = str(d["reachability"])[:16]
         d["rounds_partial"] = max(0, int(d["rounds_partial"]))
         d["wire_sent"], d["wire_received"] = max(-1, int(d["wire_sent"])), max(-1, int(d["wire_received"]))
+        d["round_tokens"] = max(0, int(d["round_tokens"]))
         return d
 
     @classmethod

@@ -67,6 +67,7 @@ class _ProgressModel(pydantic.BaseModel):
     rounds_partial: _Count = 0
     wire_sent: pydantic.conint(strict=True, ge=-1) = -1  # measured bytes on the wire (-1: not measured)
     wire_received: pydantic.conint(strict=True, ge=-1) = -1
+    round_tokens: _Count = 0  # tokens trained since it last entered a region round
 
     class Config:
         extra = pydantic.Extra.forbid

@@ -23,6 +23,7 @@ from worldlm_p2p.aggregation import max_round_weight
 from worldlm_p2p.codec import json_safe
 from worldlm_p2p.config import PeerConfig, RunManifest
 from worldlm_p2p.errors import CheckpointWriteError
+from worldlm_p2p.net import barrier
 from worldlm_p2p.net.averaging import RegionAverager
 from worldlm_p2p.net.robust_allreduce import RobustSettings
 from worldlm_p2p.net.keys import ALL_REGIONS
@@ -169,19 +170,23 @@ class Peer:
         logger.info("training %s on %s: %d train tokens, %d valid tokens, device %s", m.model.preset, cfg.data,
                     self.trainer.data.train.numel(), self.trainer.data.valid.numel(), self.trainer.device)
         last_ckpt = s.step
+        s.round_entry_tokens = s.tokens
         self.events.emit("training", started_from=s.started_from, step=s.step)
         while not self._stop.is_set() and not self._done():
+            began = time.monotonic()
             result = self.trainer.train_step(s.step)
             s.count_step(tokens=result.tokens, loss=result.loss)
+            if cfg.slowdown > 1:  # an emulated slower device
+                self._stop.wait((cfg.slowdown - 1) * (time.monotonic() - began))
             if self._world is not None:
                 self._world.collect()  # a world round this peer led has finished
             if s.step % H == 0:
                 s.history_point()
-                if self.rule.strategy.averages:
-                    still = time.monotonic()
-                    # overlapped: the last round is applied and this one runs while training goes on
-                    self._round.start() if m.aggregation.overlap else self._round.run()
-                    s.seconds_in_rounds += time.monotonic() - still
+            if self.rule.strategy.averages and self._round_due(H):
+                still = time.monotonic()
+                # overlapped: the last round is applied and this one runs while training goes on
+                self._round.start() if m.aggregation.overlap else self._round.run()
+                s.seconds_in_rounds += time.monotonic() - still
             if s.step % cfg.checkpoint_every == 0:
                 self._checkpoint()
                 last_ckpt = s.step
@@ -196,6 +201,27 @@ class Peer:
         self._progress.publish()  # finished=True: barriers stop waiting for us
         self.events.emit("finished", step=s.step, tokens=s.tokens)
         return self.summary(final_eval=True)
+
+    def _round_due(self, H: int) -> bool:
+        """Whether this peer enters its next region round now (``aggregation.schedule``): after every
+        H steps, or when the region's live members have trained H steps' worth of tokens each since
+        the last round (:func:`worldlm_p2p.net.barrier.round_due`, from records read at most every
+        half ``progress_interval``, never waiting for a busy DHT). Under the token schedule an
+        overlapped round still in flight is never waited for: training goes on, and the next round
+        starts once it has landed (a slow network makes rounds carry more tokens, not stall)."""
+        m, s, cfg = self.manifest, self.stats, self.config
+        if m.aggregation.schedule == "steps":
+            return s.step % H == 0
+        if not self._round.landed:
+            return False
+        mine = s.tokens - s.round_entry_tokens
+        per_member = H * m.train.batch_size * m.train.seq_len
+        if mine < barrier.MIN_OWN_SHARE * per_member:
+            return False
+        others = self._progress.region_records(everyone=self.rule.world_group, max_age=cfg.progress_interval / 2,
+                                               wait=0.0)
+        return barrier.round_due(my_tokens=mine, my_round=self._round.next_round, others=others, now=time.time(),
+                                 tokens_per_member=per_member, max_age=2 * cfg.progress_interval)
 
     def _wait_for_peers(self, n: int) -> None:
         """Wait until ``n`` peers of the region (this one included) are live, or the timeout."""

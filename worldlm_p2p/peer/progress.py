@@ -42,8 +42,9 @@ class Progress:
         self.train_started: float | None = None
         self._thread: threading.Thread | None = None
         self._refused: set[str] = set()  # peers whose records were ignored (logged once each)
-        self.banned: set[str] = set()
-        self._last_records: list[records.ProgressRecord] = []  # members caught repeatedly by the robust rule: never waited for again
+        self.banned: set[str] = set()  # members caught repeatedly by the robust rule: never waited for again
+        self._last_read = -math.inf  # (monotonic) when _last_records were read
+        self._last_records: list[records.ProgressRecord] = []
         # the peers this one may average with, from the last records read (None: an open group)
         self.admitted: set[str] | None = set() if self._closed_group(everyone=False) else None
 
@@ -63,7 +64,8 @@ class Progress:
             border_releases=border.releases if border is not None else -1,
             mix_region=s.recent_mix("region"), mix_world=s.recent_mix("world"), certificate=self.certificate,
             state_round=s.state_round, state_digest=s.state_digest, reachability=self.reachability,
-            rounds_partial=s.rounds_partial, wire_sent=s.wire_sent, wire_received=s.wire_received)
+            rounds_partial=s.rounds_partial, wire_sent=s.wire_sent, wire_received=s.wire_received,
+            round_tokens=max(0, s.tokens - s.round_entry_tokens))
 
     @contextlib.contextmanager
     def _dht(self, timeout: float):
@@ -102,17 +104,21 @@ class Progress:
         return self.admission.requires(self.config.region) or (everyone and any(
             self.admission.requires(r) for r, _ in self.manifest.admission.regions))
 
-    def region_records(self, *, everyone: bool) -> list[records.ProgressRecord]:
+    def region_records(self, *, everyone: bool, max_age: float = 0.0, wait: float = DHT_WAIT
+                       ) -> list[records.ProgressRecord]:
         """The records of the other members of this peer's group (``everyone``: of the whole run)
         that are admitted to the region they claim; the others are ignored (logged once per peer),
         and :attr:`admitted` becomes the peers this one may average with. While the DHT is busy
-        (another thread's call), the records of the last read."""
-        try:
-            with self._dht(DHT_WAIT):
-                recs = records.fetch_progress(self.dht, self.manifest.run_id)
-            self._last_records = recs
-        except TimeoutError:
-            recs = self._last_records
+        (another thread's call, waited for at most ``wait`` seconds), or when the last read is less
+        than ``max_age`` seconds old, the records of the last read."""
+        recs = self._last_records
+        if time.monotonic() - self._last_read >= max_age:
+            try:
+                with self._dht(wait):
+                    recs = records.fetch_progress(self.dht, self.manifest.run_id)
+                self._last_records, self._last_read = recs, time.monotonic()
+            except TimeoutError:
+                pass
         mine = [r for r in recs if (everyone or r.region == self.config.region) and r.peer_id != self.peer_id
                 and r.peer_id not in self.banned and r.fingerprint == self.manifest.fingerprint()]
         out = []

@@ -142,6 +142,7 @@ class RegionRound:
 
     def run(self) -> Outcome:
         """A synchronous round: training waits for it (``aggregation.overlap`` off)."""
+        self.stats.round_entry_tokens = self.stats.tokens
         flight = _Flight(pre=None, tokens=int(self.stats.tokens_since_round))  # snapshot after the barrier
         self._fly(flight)
         return self._conclude(flight)
@@ -152,6 +153,7 @@ class RegionRound:
         snapshot of the model in a background thread and return: training goes on meanwhile."""
         self.finish()
         self.before_average()
+        self.stats.round_entry_tokens = self.stats.tokens
         flight = self._snapshot()
         flight.thread = threading.Thread(target=self._fly, args=(flight,), name=f"region-round-{self.stats.round}",
                                          daemon=True)
@@ -179,6 +181,18 @@ class RegionRound:
     @property
     def in_flight(self) -> bool:
         return self._flight is not None
+
+    @property
+    def landed(self) -> bool:
+        """No round is in flight, or the one in flight has finished its network part (applying it
+        then waits for nothing)."""
+        flight = self._flight
+        return flight is None or flight.thread is None or not flight.thread.is_alive()
+
+    @property
+    def next_round(self) -> int:
+        """The index of the round this peer enters next (one past a round in flight)."""
+        return self.stats.round + (1 if self.in_flight else 0)
 
     def _snapshot(self) -> "_Flight":
         return _Flight(pre=self.member.params(), tokens=int(self.stats.tokens_since_round))

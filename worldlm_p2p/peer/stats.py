@@ -55,6 +55,7 @@ class PeerStats:
     state_round: int = _stat(-1, ckpt=False, summary=False)
     state_digest: str = _stat("", ckpt=False, summary=False)
     seconds_to_first_round: float | None = _stat(None, ckpt=False)
+    round_entry_tokens: int = _stat(0, ckpt=False, summary=False)  # tokens when it last entered a round
     # the time the training loop stood still for region rounds (barrier, all-reduce, mixing; with
     # aggregation.overlap only a round slower than H steps, and the conclusion of each round)
     seconds_in_rounds: float = _stat(0.0, ckpt=False)

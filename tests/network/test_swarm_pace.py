@@ -1,0 +1,48 @@
+"""Peers of different speeds (``aggregation.schedule = "tokens"``), real processes on 127.0.0.1.
+
+A region round is due when the region has trained H steps' worth of tokens per member, whatever
+each member's speed: a member twice as slow neither stalls the fast one nor is left out of rounds,
+and each contributes what it trained, weighted by its tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm_utils import log_tail, start_bootstrap, start_peer, summary, traces, wait_for
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+
+
+def test_a_peer_twice_as_slow_neither_stalls_the_other_nor_is_left_out(procs, tmp_path):
+    _, maddrs = start_bootstrap(procs, tmp_path, run_id="pace", inner_steps=5,
+                                aggregation='schedule = "tokens"\noverlap = true')
+    fast = start_peer(procs, tmp_path, maddrs, region="eu", sub="de_news-reviews-wiki", label="fast", max_steps=80,
+                      extra=["--wait-for-peers", "2"])
+    slow = start_peer(procs, tmp_path, maddrs, region="eu", sub="es_blog-news-reviews-wiki", label="slow",
+                      max_steps=80, extra=["--wait-for-peers", "2", "--slowdown", "2"])
+    for p, label in ((fast, "fast"), (slow, "slow")):
+        wait_for(lambda p=p: p.poll() is not None, 300, f"{label} to finish")
+        assert p.returncode == 0, f"{label} exited {p.returncode}:\n{log_tail(tmp_path, label)}"
+
+    # the rounds the two held together: both took part, each weighted by the tokens it trained
+    pairs = [t for t in traces(tmp_path, "fast").values() if t["ok"] and len(t["gathered"]) == 2]
+    assert len(pairs) >= 3, (len(pairs), log_tail(tmp_path, "fast"))
+    ratios = []
+    for t in pairs:
+        g = {m["label"]: m for m in t["gathered"].values()}
+        assert set(g) == {"fast", "slow"} and g["slow"]["tokens"] > 0
+        assert all(g[x]["weight"] == g[x]["tokens"] for x in g)  # (aggregation.round_weight: the tokens)
+        ratios.append(g["fast"]["tokens"] / g["slow"]["tokens"])
+    # about twice the tokens per round (the slow one sleeps as long as each step took); never the same
+    # H steps each, which is what the step schedule would have made of them
+    ratios.sort()
+    assert ratios[len(ratios) // 2] > 1.3, ratios
+    # the fast peer was not held to the slow one's pace: it finished its 80 steps while the slow one,
+    # at about half its speed, had made far fewer (it then trained on alone)
+    s_fast, s_slow = summary(tmp_path, "fast"), summary(tmp_path, "slow")
+    assert s_fast["steps"] == 80 and s_slow["steps"] == 80
+    slow_at_fast_end = max(t["step"] for t in traces(tmp_path, "slow").values()
+                           if any(m["label"] == "fast" for m in t["gathered"].values()))
+    assert slow_at_fast_end < 65, slow_at_fast_end
+    assert s_fast["rounds_completed"] >= 3 and s_slow["rounds_completed"] >= 3
