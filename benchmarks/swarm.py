@@ -325,6 +325,7 @@ class _CpuSampler:
         now = time.monotonic()
         busy = _read_machine_busy()
         procs: dict[int, tuple[int, str, str, float]] = {}
+        stats: dict[int, tuple[str, int, float]] = {}  # pid -> (comm, ppid, cpu seconds)
         for d in os.listdir("/proc"):
             if not d.isdigit():
                 continue
@@ -332,20 +333,24 @@ class _CpuSampler:
                 raw = Path(f"/proc/{d}/stat").read_text()
             except OSError:
                 continue
-            comm = raw[raw.index("(") + 1:raw.rindex(")")]
             rest = raw[raw.rindex(")") + 2:].split()
-            pgid = int(rest[2])
-            pid = int(d)
+            stats[int(d)] = (raw[raw.index("(") + 1:raw.rindex(")")], int(rest[1]),
+                             (int(rest[11]) + int(rest[12])) / _TICK)
+        for pid, (comm, _, cpu) in stats.items():
             if pid == self._me:
-                procs[pid] = (pgid, "<benchmark>", "benchmark", (int(rest[11]) + int(rest[12])) / _TICK)
+                procs[pid] = (pid, "<benchmark>", "benchmark", cpu)
                 continue
-            if pgid not in groups:
+            # the CLI process it descends from (p2pd runs in a session of its own, so process
+            # groups miss it; its parent chain does not)
+            leader, hops = pid, 0
+            while leader not in groups and leader in stats and hops < 16:
+                leader, hops = stats[leader][1], hops + 1
+            if leader not in groups:
                 continue
-            cpu = (int(rest[11]) + int(rest[12])) / _TICK
-            kind = "trainer" if pid == pgid else ("p2pd" if comm.startswith("p2pd") else "hivemind_children")
-            if groups[pgid] == "<bootstrap>":
+            kind = "trainer" if pid == leader else ("p2pd" if comm.startswith("p2pd") else "hivemind_children")
+            if groups[leader] == "<bootstrap>":
                 kind = "bootstrap"
-            procs[pid] = (pgid, groups[pgid], kind, cpu)
+            procs[pid] = (leader, groups[leader], kind, cpu)
         self.samples.append((now, busy, procs))
 
     def _loop(self) -> None:

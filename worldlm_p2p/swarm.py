@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from worldlm_p2p.codec import json_safe
 from worldlm_p2p.config import RunManifest, check_name
@@ -64,6 +64,8 @@ class SwarmConfig:
     stop_timeout: float = 60.0
     checkpoints: bool = True
     device: str = "cpu"  # every peer's --device (cpu, cuda, cuda:N: they may share one GPU)
+    # more worldlm-peer flags for some peers, by label (<region>-<sub_corpus>), e.g. ("--slowdown", "2")
+    peer_args: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.device != "cpu" and not (self.device == "cuda" or (self.device.startswith("cuda:")
@@ -192,6 +194,7 @@ class LocalSwarm:
             cmd += ["--max-tokens", str(cfg.max_tokens)]
         if cfg.checkpoints:
             cmd += ["--checkpoint-dir", str(cfg.out / "checkpoints" / label)]
+        cmd += list(cfg.peer_args.get(label, ()))
         with log_path.open("wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(),
                                     start_new_session=True)

@@ -1,0 +1,294 @@
+#!/usr/bin/env python
+"""Utilisation benchmark: does training wait for the network? (issue 14)
+
+**Utilisation** = a swarm peer's training tokens/s (``tokens_per_s`` of its summary: tokens over the
+wall time of its training loop, rounds and barriers included) divided by the tokens/s of the same
+number of *alone* processes training at once on this machine (same model, batch, steps, one torch
+thread each, no network), both measured in this run, one right after the other (the machine is
+shared and noisy: only ratios mean anything).
+
+For each configuration ``model:peers:H`` (one region of that many real ``worldlm-peer`` processes
+on 127.0.0.1, started by :class:`worldlm_p2p.swarm.LocalSwarm`) it runs the alone baseline, then one
+swarm per *variant*:
+
+- ``sync``: today's default, a round every H steps of each member, training waits for it;
+- ``overlap``: ``aggregation.overlap`` (the round runs on a snapshot while the next H steps train);
+- ``overlap-tokens``: ``overlap`` plus ``aggregation.schedule = "tokens"`` (rounds due by the
+  region's tokens; a round in flight is never waited for).
+
+and reports utilisation, round time, the share of rounds with the whole region, the time the
+training loop stood still for rounds (``seconds_in_rounds``), bytes on the wire per million training
+tokens (the kernel's counters of every process of the peer: ``wire_sent``), against the bytes a
+per-step data-parallel ring all-reduce of the same model would send (computed: ``2 (n-1)/n x 4 x
+params`` per step), and where the machine's cores went (training processes, hivemind's DHT and
+averager processes, p2pd, bootstrap).
+
+``--slow`` adds the mixed-speed scenario: the same region with one member twice as slow
+(``worldlm-peer --slowdown 2``): the fast member's utilisation, and the share of its rounds that
+the slow one took part in.
+
+Usage::
+
+    python benchmarks/perf.py --quick                      # tiny:2:10, both variants, slow (~6 min)
+    python benchmarks/perf.py                              # the issue's grid (tiny/small, 2/4 peers, H 10/50)
+    python benchmarks/perf.py --configs tiny:2:10 --variants sync,overlap-tokens --rounds 8
+
+Writes ``--out`` (JSON, every peer summary included) and prints a Markdown table. It asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from swarm import (REGION, THREADS, _CpuSampler, _fmt, _median, _quantile, machine, make_corpus,  # noqa: E402
+                   run_alone, versions)
+
+VARIANTS = {
+    "sync": {},
+    "overlap": {"overlap": True},
+    "overlap-tokens": {"overlap": True, "schedule": "tokens"},
+}
+FULL_CONFIGS = "tiny:2:10,tiny:2:50,tiny:4:10,tiny:4:50,small:2:10,small:2:50,small:4:50"
+QUICK_CONFIGS = "tiny:2:10"
+
+
+def manifest(args, *, model: str, H: int, run_id: str, aggregation: dict[str, Any]):
+    from worldlm_p2p.config import RunManifest
+
+    return RunManifest.from_dict({
+        "run_id": run_id,
+        "model": {"preset": model},
+        "train": {"inner_steps": H, "batch_size": args.batch_size, "seq_len": args.seq_len, "eval_tokens": 2048},
+        "averaging": {"matchmaking_time": args.matchmaking_time, "request_timeout": args.request_timeout,
+                      "averaging_timeout": args.averaging_timeout, "barrier_timeout": args.barrier_timeout},
+        "aggregation": dict(aggregation, compress_backbone=args.compress, compress_key=args.compress, **args.set),
+    })
+
+
+def parameters(model: str) -> int:
+    from worldlm_p2p.config import model_preset
+    from worldlm_p2p.train import build_model
+
+    return sum(p.numel() for p in build_model(model_preset(model), vocab_size=259, seed=0).parameters())
+
+
+def run_swarm(args, *, model: str, n: int, H: int, variant: str, corpus: Path, tmp: Path,
+              slow: str | None = None) -> dict[str, Any]:
+    from worldlm_p2p.swarm import LocalSwarm, SwarmConfig
+
+    tag = f"{model}-{n}-{H}-{variant}{'-slow' if slow else ''}"
+    m = manifest(args, model=model, H=H, run_id=f"perf-{tag}".replace(".", "_"), aggregation=VARIANTS[variant])
+    config = SwarmConfig(regions={REGION: n}, data=corpus, out=tmp / tag, manifest=m, max_steps=H * args.rounds,
+                         threads_per_peer=THREADS, checkpoints=False, startup_timeout=120.0, stop_timeout=30.0,
+                         # every peer starts training once the region is live (start-up skew is
+                         # benchmarks/swarm.py's subject, not this one's)
+                         peer_args={f"{REGION}-{d.name}": ("--wait-for-peers", str(n),
+                                                          *(("--slowdown", "2") if f"{REGION}-{d.name}" == slow else ()))
+                                    for d in sorted((corpus / REGION).iterdir())[:n]})
+    swarm = LocalSwarm(config=config)
+    deadline = time.monotonic() + args.swarm_timeout
+    first_exit: list[float] = []
+
+    def stop_waiting() -> bool:
+        if not first_exit and len(swarm.running()) < n:
+            first_exit.append(time.monotonic())
+        return time.monotonic() > deadline
+
+    with swarm:
+        t0 = time.monotonic()
+        swarm.start()
+        sampler = _CpuSampler(swarm)
+        try:
+            swarm.wait(poll=0.2, should_stop=stop_waiting)
+            timed_out = bool(swarm.running())
+            t1 = time.monotonic()
+            # where the cores went while every peer ran (a process that exited takes its counters
+            # with it): from the first sample to the last one before a peer exited
+            cpu = sampler.window(sampler.samples[0][0] if sampler.samples else t0,
+                                 (first_exit or [t1])[0] - 0.6)
+        finally:
+            sampler.close()
+    peers = swarm.summary()["peers"]
+    ok = [p for p in peers if p.get("exit_code") == 0 and p.get("tokens")]
+    per_peer = []
+    for p in ok:
+        groups = p.get("group_sizes") or []
+        per_peer.append(dict(
+            label=p["label"], slow=p["label"] == slow, steps=p.get("steps"), tokens=p["tokens"],
+            tokens_per_s=p.get("tokens_per_s"), rounds_completed=p.get("rounds_completed"),
+            rounds_failed=p.get("rounds_failed"), rounds_partial=p.get("rounds_partial"),
+            full_group_share=(sum(1 for g in groups if g == n) / len(groups)) if groups else None,
+            round_seconds=p.get("round_seconds") or [], seconds_in_rounds=p.get("seconds_in_rounds"),
+            wire_sent=p.get("wire_sent"), wire_received=p.get("wire_received"),
+            bytes_sent=p.get("bytes_sent")))
+    rs = [x for q in per_peer for x in q["round_seconds"][1:]]
+    fast = [q for q in per_peer if not q["slow"]]
+    wire = [q["wire_sent"] / q["tokens"] * 1e6 for q in per_peer if q.get("wire_sent") not in (None, -1)]
+    return dict(model=model, peers=n, H=H, variant=variant, slow=slow, timed_out=timed_out, wall_s=t1 - t0,
+                failed_peers=len(peers) - len(ok), per_peer=per_peer,
+                tokens_per_s_median=_median(q["tokens_per_s"] for q in fast),
+                round_seconds_median=_median(rs), round_seconds_p90=_quantile(rs, 0.9),
+                rounds_completed_median=_median(q["rounds_completed"] for q in fast),
+                full_group_share_median=_median(q["full_group_share"] for q in fast),
+                seconds_in_rounds_median=_median(q["seconds_in_rounds"] for q in fast),
+                wire_sent_per_mtok_median=_median(wire), cpu=cpu,
+                raw_summaries=peers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"configs {QUICK_CONFIGS}, 12 rounds, with --slow")
+    p.add_argument("--configs", help=f"model:peers:H,... (default {FULL_CONFIGS})")
+    p.add_argument("--variants", default="sync,overlap-tokens", help=f"of {', '.join(VARIANTS)}")
+    p.add_argument("--slow", action="store_true", help="also the mixed-speed scenario (a member twice as slow)")
+    p.add_argument("--rounds", type=int, help="region rounds' worth of steps per peer (default 8, --quick 12)")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--compress", default="fp16", choices=("none", "fp16", "int8"), help="the region rounds' codec")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an [aggregation] setting for every variant, e.g. mix=none (the evidence search's cost "
+                        "apart) or strategy=fedavg; repeatable")
+    p.add_argument("--matchmaking-time", type=float, default=1.5)
+    p.add_argument("--request-timeout", type=float, default=0.5)
+    p.add_argument("--averaging-timeout", type=float, default=30.0)
+    p.add_argument("--barrier-timeout", type=float, default=30.0)
+    p.add_argument("--swarm-timeout", type=float, default=900.0, help="give up on one swarm after this long")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "perf.json"))
+    args = p.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 12 if args.quick else 8
+    args.slow = args.slow or args.quick
+    specs = []
+    try:
+        import tomllib
+
+        settings = {}
+        for item in args.set:
+            if "=" not in item:
+                raise ValueError(f"--set {item}: expected KEY=VALUE, e.g. mix=none")
+            k, v = (x.strip() for x in item.split("=", 1))
+            try:
+                settings[k] = tomllib.loads(f"v = {v}")["v"]  # numbers, true/false, quoted strings
+            except tomllib.TOMLDecodeError:
+                settings[k] = v
+        args.set = settings
+        for item in (args.configs or (QUICK_CONFIGS if args.quick else FULL_CONFIGS)).split(","):
+            model, n, H = item.strip().split(":")
+            specs.append((model, int(n), int(H)))
+        variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+        bad = [v for v in variants if v not in VARIANTS]
+        if bad or not variants:
+            raise ValueError(f"unknown variant(s) {bad}: choose from {', '.join(VARIANTS)}")
+        if any(n < 2 or n > 18 or H < 1 for _, n, H in specs) or args.rounds < 2:
+            raise ValueError("peers must be 2..18, H >= 1, --rounds >= 2")
+        from worldlm_p2p.config import model_preset
+
+        for model, _, H in specs:
+            model_preset(model)
+            for v in variants:
+                manifest(args, model=model, H=H, run_id="check", aggregation=VARIANTS[v])
+    except Exception as e:
+        print(f"perf.py: error: {e}", file=sys.stderr)
+        return 2
+
+    def on_term(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    from worldlm_p2p.logs import setup_logging
+    from worldlm_p2p.swarm import manifest_to_toml
+
+    setup_logging("WARNING")
+    t_run = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - t_run:6.1f}s] {msg}", flush=True)
+
+    tmp = Path(tempfile.mkdtemp(prefix="worldlm-perf-"))
+    result: dict[str, Any] = dict(command=" ".join(["python", *sys.argv]), date=time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                                  machine=machine(), versions=versions(), settings=vars(args), runs=[])
+    out = Path(args.out)
+    corpus = make_corpus(tmp / "corpus", max(n for _, n, _ in specs))
+    datas = sorted((corpus / REGION).iterdir())
+    scenarios = [(spec, v, None) for spec in specs for v in variants]
+    if args.slow:
+        model, n, H = specs[0]
+        scenarios += [((model, n, H), v, f"{REGION}-{datas[n - 1].name}") for v in variants]
+    alone_cache: dict[tuple[str, int, int], dict[str, Any]] = {}
+    try:
+        for (model, n, H), variant, slow in scenarios:
+            key = (model, n, H)
+            if key not in alone_cache or slow:  # a fresh baseline next to every slow scenario too
+                toml = tmp / f"alone-{model}-{H}.toml"
+                toml.write_text(manifest_to_toml(manifest(args, model=model, H=H, run_id="alone", aggregation={})))
+                say(f"alone: {n} processes at once, {model}, {H * args.rounds} steps")
+                alone_cache[key] = run_alone(workers=n, steps=H * args.rounds, manifest_toml=toml, datas=datas,
+                                             tmp=tmp, timeout=args.swarm_timeout)
+            alone = alone_cache[key]
+            say(f"swarm: {model}, {n} peers, H={H}, {variant}{', one member twice as slow' if slow else ''}")
+            r = run_swarm(args, model=model, n=n, H=H, variant=variant, corpus=corpus, tmp=tmp, slow=slow)
+            params = parameters(model)
+            dp = 2 * (n - 1) / n * 4 * params * (1e6 / (args.batch_size * args.seq_len))
+            r.update(alone_tokens_per_s=alone["median_tokens_per_s"], alone=alone, parameters=params,
+                     utilisation=(r["tokens_per_s_median"] / alone["median_tokens_per_s"]
+                                  if r["tokens_per_s_median"] and alone["median_tokens_per_s"] else None),
+                     data_parallel_bytes_per_mtok=dp,
+                     fewer_than_data_parallel=(dp / r["wire_sent_per_mtok_median"]
+                                               if r["wire_sent_per_mtok_median"] else None))
+            result["runs"].append(r)
+            say(f"  utilisation {_fmt(r['utilisation'], '.3f')}, rounds {_fmt(r['rounds_completed_median'], '.0f')}, "
+                f"round {_fmt(r['round_seconds_median'])} s, stood still {_fmt(r['seconds_in_rounds_median'], '.1f')} s")
+    except KeyboardInterrupt:
+        say("interrupted: writing what was measured")
+    result["wall_s"] = time.monotonic() - t_run
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    md = markdown(result)
+    out.with_suffix(".md").write_text(md + "\n")
+    print(md)
+    return 0
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "| model | peers | H | variant | **utilisation** | tok/s per peer (alone at once) | rounds | full groups | "
+        "round s, median (p90) | training stood still s | wire MB sent per 1M tokens | x fewer than per-step DP | "
+        "cores: training / hivemind / p2pd / bootstrap |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in result["runs"]:
+        c = (r.get("cpu") or {}).get("cores_by_kind", {})
+        name = r["variant"] + (" (one member 2x slower; fast member)" if r.get("slow") else "")
+        lines.append(
+            f"| {r['model']} | {r['peers']} | {r['H']} | {name} | **{_fmt(r['utilisation'], '.3f')}** | "
+            f"{_fmt(r['tokens_per_s_median'], '.0f')} ({_fmt(r['alone_tokens_per_s'], '.0f')}) | "
+            f"{_fmt(r['rounds_completed_median'], '.0f')} | {_fmt(r['full_group_share_median'], '.0%')} | "
+            f"{_fmt(r['round_seconds_median'])} ({_fmt(r['round_seconds_p90'])}) | "
+            f"{_fmt(r['seconds_in_rounds_median'], '.1f')} | "
+            f"{_fmt(r['wire_sent_per_mtok_median'] and r['wire_sent_per_mtok_median'] / 1e6, '.1f')} | "
+            f"{_fmt(r['fewer_than_data_parallel'], '.0f')} | "
+            f"{_fmt(c.get('trainer'))} / {_fmt(c.get('hivemind_children'))} / {_fmt(c.get('p2pd'))} / "
+            f"{_fmt(c.get('bootstrap'))} |")
+    slow = [r for r in result["runs"] if r.get("slow")]
+    for r in slow:
+        both = [q["full_group_share"] for q in r["per_peer"] if not q["slow"]]
+        lines.append("")
+        lines.append(f"Mixed speeds, {r['variant']}: the fast member's utilisation {_fmt(r['utilisation'], '.3f')}; "
+                     f"share of its rounds the slow member took part in: {_fmt(_median(both), '.0%')}.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
