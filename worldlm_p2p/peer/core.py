@@ -44,6 +44,30 @@ from worldlm_p2p.peer.world import WorldRounds
 logger = logging.getLogger(__name__)
 
 
+class _Preload:
+    """Imports what building the model imports (:func:`worldlm_p2p.train.build_model`: seconds of
+    transformers) in a thread of its own, once; :meth:`join` waits for it."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="preload", daemon=True)
+            self._thread.start()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    @staticmethod
+    def _run() -> None:
+        try:
+            import transformers.models.llama.modeling_llama  # noqa: F401
+        except Exception as e:  # building the model will say what is wrong
+            logger.debug("could not preload the model code: %s", e)
+
+
 class Peer:
     """A WorldLM peer. Construct, then :meth:`run` (blocking) and always :meth:`shutdown`."""
 
@@ -76,7 +100,14 @@ class Peer:
         cfg = self.config
         self.events.emit("started", pid=os.getpid())
         splits = load_texts(cfg.data)  # fail on bad data before touching the network
-        self._net = net = joining.connect(cfg, stopping=self._stop.is_set)
+        # the model's code (transformers: seconds of imports) loads while the DHT process boots and
+        # the manifest is fetched; joined before anything else is forked
+        preload = _Preload()
+        try:
+            self._net = net = joining.connect(cfg, stopping=self._stop.is_set, while_starting=preload.start,
+                                              before_fork=preload.join)
+        finally:
+            preload.join()
         self.manifest, self.peer_id, m = net.manifest, net.peer_id, net.manifest
         self.events.emit("joined", peer_id=self.peer_id, run_id=m.run_id, fingerprint=m.fingerprint())
         if net.reachability is not None or net.outbound:

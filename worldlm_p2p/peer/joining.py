@@ -59,9 +59,12 @@ class Network:
         return self.reachability.status if self.reachability is not None else ""
 
 
-def connect(config: PeerConfig, *, stopping: Callable[[], bool]) -> Network:
+def connect(config: PeerConfig, *, stopping: Callable[[], bool], while_starting: Callable[[], None] | None = None,
+            before_fork: Callable[[], None] | None = None) -> Network:
     """Join the DHT (bounded retries), fetch the run manifest and refuse to go on when a local
-    setting or this region's privacy contradicts it."""
+    setting or this region's privacy contradicts it. ``while_starting`` / ``before_fork``: see
+    :func:`worldlm_p2p.net.dht.start_dht` (``before_fork`` also runs before an outbound-only
+    restart of the DHT)."""
     # one key for the libp2p identity and for the signatures of this peer's DHT records, so that
     # every record's signer can be matched with the peer id it claims: the --identity, or else a
     # key made for this process (its file lives only until the p2p daemon has read it)
@@ -74,7 +77,8 @@ def connect(config: PeerConfig, *, stopping: Callable[[], bool]) -> Network:
         # the progress schema once the run is known
         validators = records.make_validators(None, key)
         outbound = net.reachability == "outbound"
-        dht = start_dht(net, record_validators=validators, client_mode=outbound)
+        dht = start_dht(net, record_validators=validators, client_mode=outbound, while_starting=while_starting,
+                        before_retry=before_fork)
     try:
         trusted = run_key_text(config.run_key) if config.run_key else None
         record = fetch_run_manifest(dht, run_id=config.run_id, wait=config.manifest_wait, should_stop=stopping,
@@ -113,6 +117,8 @@ def connect(config: PeerConfig, *, stopping: Callable[[], bool]) -> Network:
     else:
         reach = check_reachability(dht, config, own)
         if reach is not None and reach.status == "not-direct" and net.reachability == "auto":
+            if before_fork is not None:
+                before_fork()
             dht = _restart_outbound(dht, config, key, validators + records.make_validators(manifest.run_id, key)[2:],
                                     record)
             outbound = True
