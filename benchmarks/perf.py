@@ -84,19 +84,42 @@ def parameters(model: str) -> int:
     return sum(p.numel() for p in build_model(model_preset(model), vocab_size=259, seed=0).parameters())
 
 
-def run_swarm(args, *, model: str, n: int, H: int, variant: str, corpus: Path, tmp: Path,
+def regions_corpus(root: Path, sizes: dict[str, int]) -> Path:
+    """A federated corpus ``root/<region>/<sub>`` with ``sizes[region]`` sub-corpora each: symlinks into
+    the bundled demo slice (18 sub-corpora), dealt out in alphabetical order."""
+    from worldlm_p2p.train import demo_data_dir, list_corpus
+
+    subs = sorted((p for paths in list_corpus(demo_data_dir()).values() for p in paths), key=lambda p: p.name)
+    if sum(sizes.values()) > len(subs):
+        raise SystemExit(f"the demo corpus has only {len(subs)} sub-corpora, not {sum(sizes.values())}")
+    it = iter(subs)
+    for region, n in sizes.items():
+        (root / region).mkdir(parents=True, exist_ok=True)
+        for _ in range(n):
+            sub = next(it)
+            link = root / region / sub.name
+            if not link.exists():
+                link.symlink_to(sub.resolve(), target_is_directory=True)
+    return root
+
+
+def run_swarm(args, *, model: str, regions: dict[str, int], H: int, variant: str, corpus: Path, tmp: Path,
               slow: str | None = None) -> dict[str, Any]:
     from worldlm_p2p.swarm import LocalSwarm, SwarmConfig
 
-    tag = f"{model}-{n}-{H}-{variant}{'-slow' if slow else ''}"
-    m = manifest(args, model=model, H=H, run_id=f"perf-{tag}".replace(".", "_"), aggregation=VARIANTS[variant])
-    config = SwarmConfig(regions={REGION: n}, data=corpus, out=tmp / tag, manifest=m, max_steps=H * args.rounds,
+    n = sum(regions.values())
+    shape = "+".join(str(k) for k in regions.values())
+    tag = f"{model}-{shape}-{H}-{variant}{'-slow' if slow else ''}"
+    m = manifest(args, model=model, H=H, run_id=f"perf-{tag}".replace(".", "_").replace("+", "x"),
+                 aggregation=VARIANTS[variant])
+    labels = {f"{r}-{d.name}": r for r in regions for d in sorted((corpus / r).iterdir())[:regions[r]]}
+    config = SwarmConfig(regions=dict(regions), data=corpus, out=tmp / tag, manifest=m, max_steps=H * args.rounds,
                          threads_per_peer=THREADS, checkpoints=False, startup_timeout=120.0, stop_timeout=30.0,
-                         # every peer starts training once the region is live (start-up skew is
+                         # every peer starts training once its region is live (start-up skew is
                          # benchmarks/swarm.py's subject, not this one's)
-                         peer_args={f"{REGION}-{d.name}": ("--wait-for-peers", str(n),
-                                                          *(("--slowdown", "2") if f"{REGION}-{d.name}" == slow else ()))
-                                    for d in sorted((corpus / REGION).iterdir())[:n]})
+                         peer_args={label: ("--wait-for-peers", str(regions[r]),
+                                            *(("--slowdown", "2") if label == slow else ()))
+                                    for label, r in labels.items()})
     swarm = LocalSwarm(config=config)
     deadline = time.monotonic() + args.swarm_timeout
     first_exit: list[float] = []
@@ -125,26 +148,57 @@ def run_swarm(args, *, model: str, n: int, H: int, variant: str, corpus: Path, t
     per_peer = []
     for p in ok:
         groups = p.get("group_sizes") or []
+        size = regions.get(p.get("region"), n)
         per_peer.append(dict(
-            label=p["label"], slow=p["label"] == slow, steps=p.get("steps"), tokens=p["tokens"],
-            tokens_per_s=p.get("tokens_per_s"), rounds_completed=p.get("rounds_completed"),
+            label=p["label"], region=p.get("region"), slow=p["label"] == slow, steps=p.get("steps"),
+            tokens=p["tokens"], tokens_per_s=p.get("tokens_per_s"), rounds_completed=p.get("rounds_completed"),
             rounds_failed=p.get("rounds_failed"), rounds_partial=p.get("rounds_partial"),
-            full_group_share=(sum(1 for g in groups if g == n) / len(groups)) if groups else None,
+            full_group_share=(sum(1 for g in groups if g == size) / len(groups)) if groups else None,
             round_seconds=p.get("round_seconds") or [], seconds_in_rounds=p.get("seconds_in_rounds"),
+            world_rounds_led=p.get("world_rounds_led"), world_rounds_adopted=p.get("world_rounds_adopted"),
             wire_sent=p.get("wire_sent"), wire_received=p.get("wire_received"),
             bytes_sent=p.get("bytes_sent")))
     rs = [x for q in per_peer for x in q["round_seconds"][1:]]
     fast = [q for q in per_peer if not q["slow"]]
     wire = [q["wire_sent"] / q["tokens"] * 1e6 for q in per_peer if q.get("wire_sent") not in (None, -1)]
-    return dict(model=model, peers=n, H=H, variant=variant, slow=slow, timed_out=timed_out, wall_s=t1 - t0,
-                failed_peers=len(peers) - len(ok), per_peer=per_peer,
+    return dict(model=model, peers=n, regions=dict(regions), H=H, variant=variant, slow=slow, timed_out=timed_out,
+                wall_s=t1 - t0, failed_peers=len(peers) - len(ok), per_peer=per_peer,
                 tokens_per_s_median=_median(q["tokens_per_s"] for q in fast),
                 round_seconds_median=_median(rs), round_seconds_p90=_quantile(rs, 0.9),
                 rounds_completed_median=_median(q["rounds_completed"] for q in fast),
+                rounds_failed_total=sum(q["rounds_failed"] or 0 for q in per_peer),
+                rounds_partial_total=sum(q["rounds_partial"] or 0 for q in per_peer),
                 full_group_share_median=_median(q["full_group_share"] for q in fast),
                 seconds_in_rounds_median=_median(q["seconds_in_rounds"] for q in fast),
+                world_rounds_led=sum(q["world_rounds_led"] or 0 for q in per_peer),
+                world_rounds_adopted_median=_median(q["world_rounds_adopted"] for q in per_peer),
                 wire_sent_per_mtok_median=_median(wire), cpu=cpu,
                 raw_summaries=peers)
+
+
+def run_idle(args, *, n: int, seconds: float, corpus: Path, tmp: Path) -> dict[str, Any]:
+    """Where a peer's cores go between rounds: ``n`` peers of one region whose rounds are never due
+    (H = 10^6) and whose training is slowed 100 times (``--slowdown 100``), sampled for ``seconds``
+    after a start-up of 30 s: progress records, the leader lease, the DHT's upkeep, p2pd."""
+    from worldlm_p2p.swarm import LocalSwarm, SwarmConfig
+
+    m = manifest(args, model="tiny", H=10**6, run_id="perf-idle", aggregation={})
+    labels = [f"{REGION}-{d.name}" for d in sorted((corpus / REGION).iterdir())[:n]]
+    config = SwarmConfig(regions={REGION: n}, data=corpus, out=tmp / f"idle-{n}", manifest=m, max_steps=10**6,
+                         threads_per_peer=THREADS, checkpoints=False, startup_timeout=120.0, stop_timeout=30.0,
+                         peer_args={label: ("--slowdown", "100") for label in labels})
+    swarm = LocalSwarm(config=config)
+    with swarm:
+        swarm.start()
+        sampler = _CpuSampler(swarm, period=1.0)
+        try:
+            time.sleep(30.0)
+            t0 = time.monotonic()
+            time.sleep(seconds)
+            cpu = sampler.window(t0, time.monotonic())
+        finally:
+            sampler.close()
+    return dict(peers=n, seconds=seconds, cpu=cpu)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", help=f"model:peers:H,... (default {FULL_CONFIGS})")
     p.add_argument("--variants", default="sync,overlap-tokens", help=f"of {', '.join(VARIANTS)}")
     p.add_argument("--slow", action="store_true", help="also the mixed-speed scenario (a member twice as slow)")
+    p.add_argument("--idle", type=float, metavar="SECONDS",
+                   help="instead of the configs: where the cores of a region of the first config's peers go "
+                        "between rounds (no round due, training slowed 100x), sampled for SECONDS")
+    p.add_argument("--scale", metavar="RxN",
+                   help="instead of the configs: one swarm of R regions of N peers each (e.g. 4x4), world rounds "
+                        "on, the first config's model and H, the last variant given")
     p.add_argument("--rounds", type=int, help="region rounds' worth of steps per peer (default 8, --quick 12)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
@@ -193,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"unknown variant(s) {bad}: choose from {', '.join(VARIANTS)}")
         if any(n < 2 or n > 18 or H < 1 for _, n, H in specs) or args.rounds < 2:
             raise ValueError("peers must be 2..18, H >= 1, --rounds >= 2")
+        scale = None
+        if args.scale:
+            r, _, k = args.scale.partition("x")
+            if not (r.isdigit() and k.isdigit() and int(r) >= 1 and int(k) >= 1 and int(r) * int(k) <= 18):
+                raise ValueError(f"--scale {args.scale}: expected RxN with R x N <= 18 (the demo corpus), e.g. 4x4")
+            scale = {f"r{i + 1}": int(k) for i in range(int(r))}
         from worldlm_p2p.config import model_preset
 
         for model, _, H in specs:
@@ -226,7 +292,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.slow:
         model, n, H = specs[0]
         scenarios += [((model, n, H), v, f"{REGION}-{datas[n - 1].name}") for v in variants]
+    if scale:
+        model, _, H = specs[0]
+        scenarios = [((model, sum(scale.values()), H), variants[-1], None)]
+        corpus = regions_corpus(tmp / "regions", scale)
     alone_cache: dict[tuple[str, int, int], dict[str, Any]] = {}
+    if args.idle:
+        n = specs[0][1]
+        say(f"idle: {n} peers, no round due, sampled for {args.idle:.0f} s after 30 s of start-up")
+        result["idle"] = r = run_idle(args, n=n, seconds=args.idle, corpus=corpus, tmp=tmp)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1, default=str))
+        c = (r["cpu"] or {}).get("per_peer_cores_median", {})
+        print(f"between rounds, per peer (median of {n}): training process {_fmt(c.get('trainer'), '.3f')} cores "
+              f"(its training slowed 100x), hivemind DHT + averager processes {_fmt(c.get('hivemind_children'), '.3f')}"
+              f", p2pd {_fmt(c.get('p2pd'), '.3f')}; bootstrap node "
+              f"{_fmt((r['cpu'] or {}).get('cores_by_kind', {}).get('bootstrap'), '.3f')}")
+        return 0
     try:
         for (model, n, H), variant, slow in scenarios:
             key = (model, n, H)
@@ -238,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                                              tmp=tmp, timeout=args.swarm_timeout)
             alone = alone_cache[key]
             say(f"swarm: {model}, {n} peers, H={H}, {variant}{', one member twice as slow' if slow else ''}")
-            r = run_swarm(args, model=model, n=n, H=H, variant=variant, corpus=corpus, tmp=tmp, slow=slow)
+            r = run_swarm(args, model=model, regions=scale or {REGION: n}, H=H, variant=variant, corpus=corpus,
+                          tmp=tmp, slow=slow)
             params = parameters(model)
             dp = 2 * (n - 1) / n * 4 * params * (1e6 / (args.batch_size * args.seq_len))
             r.update(alone_tokens_per_s=alone["median_tokens_per_s"], alone=alone, parameters=params,
@@ -271,8 +354,9 @@ def markdown(result: dict[str, Any]) -> str:
     for r in result["runs"]:
         c = (r.get("cpu") or {}).get("cores_by_kind", {})
         name = r["variant"] + (" (one member 2x slower; fast member)" if r.get("slow") else "")
+        shape = r["peers"] if len(r.get("regions") or {}) <= 1 else f"{len(r['regions'])} x {r['peers'] // len(r['regions'])}"
         lines.append(
-            f"| {r['model']} | {r['peers']} | {r['H']} | {name} | **{_fmt(r['utilisation'], '.3f')}** | "
+            f"| {r['model']} | {shape} | {r['H']} | {name} | **{_fmt(r['utilisation'], '.3f')}** | "
             f"{_fmt(r['tokens_per_s_median'], '.0f')} ({_fmt(r['alone_tokens_per_s'], '.0f')}) | "
             f"{_fmt(r['rounds_completed_median'], '.0f')} | {_fmt(r['full_group_share_median'], '.0%')} | "
             f"{_fmt(r['round_seconds_median'])} ({_fmt(r['round_seconds_p90'])}) | "
@@ -281,6 +365,13 @@ def markdown(result: dict[str, Any]) -> str:
             f"{_fmt(r['fewer_than_data_parallel'], '.0f')} | "
             f"{_fmt(c.get('trainer'))} / {_fmt(c.get('hivemind_children'))} / {_fmt(c.get('p2pd'))} / "
             f"{_fmt(c.get('bootstrap'))} |")
+    for r in result["runs"]:
+        if len(r.get("regions") or {}) > 1:
+            lines += ["", f"{len(r['regions'])} regions of {r['peers'] // len(r['regions'])} peers: region rounds "
+                          f"failed {r['rounds_failed_total']}, partial {r['rounds_partial_total']}; world rounds led "
+                          f"{r['world_rounds_led']}, adopted per peer (median) "
+                          f"{_fmt(r['world_rounds_adopted_median'], '.0f')}; "
+                          f"machine cores busy {_fmt((r.get('cpu') or {}).get('cores_machine_busy'))}."]
     slow = [r for r in result["runs"] if r.get("slow")]
     for r in slow:
         both = [q["full_group_share"] for q in r["per_peer"] if not q["slow"]]

@@ -129,3 +129,25 @@ def test_a_member_whose_anchor_is_not_the_groups_drops_the_round():
     assert "none by a majority" in anchor_disagreement(tie, "x") and anchor_disagreement(tie, "y")
     # members that sent no digest (or garbage) are not counted
     assert anchor_disagreement({"a": dict(anchor="x"), "b": {}, "c": "junk", "d": dict(anchor=5)}, "x") == ""
+
+
+def test_a_joiner_whose_live_region_mates_serve_nothing_does_not_wait_for_a_download():
+    """Late join: the region has run rounds, but its only live peer is outbound-only (it serves
+    nothing): the joiner starts from the common initialisation at once, asking nobody (it used to
+    wait the whole join timeout for a server that could not exist)."""
+    from worldlm_p2p.config import PeerConfig
+    from worldlm_p2p.peer.joining import late_join
+
+    server = _Server(served=None)
+    outbound = SimpleNamespace(peer_id="b", finished=False, rounds_completed=0, round=3, state_digest="",
+                               reachability="outbound")
+    kw = dict(config=PeerConfig(region="eu", data="x"), rule=RULE, member=_Member([torch.zeros(2)]),
+              state=RegionState(anchor=[torch.zeros(2)], border_delta=None), stats=PeerStats(), server=server,
+              trace=lambda *a: None)
+    late_join(others=[outbound], **kw)
+    assert server.downloads == []
+    # a directly reachable peer that serves its state is asked
+    direct = SimpleNamespace(peer_id="c", finished=False, rounds_completed=2, round=3, state_digest="d1",
+                             reachability="direct")
+    late_join(others=[outbound, direct], **kw)
+    assert len(server.downloads) == 1

@@ -206,3 +206,31 @@ def test_tune_losses_are_the_per_window_losses_of_the_tune_slice() -> None:
     assert float(got.mean()) == pytest.approx(trainer.tune_loss(), rel=1e-6)  # equal windows: the same mean
     empty = TokenData(train=torch.arange(100) % 259, valid=tune[:40], train_bytes=100, valid_bytes=40)
     assert _trainer(empty, train=train).tune_losses().numel() == 0
+
+
+def test_the_slice_evaluator_gives_the_trainers_tune_losses_without_touching_its_model():
+    """An overlapped round's evidence search runs on a copy of the model (train.SliceEvaluator) while
+    the trainer's model trains on: the same losses, bit for bit, and the trainer's model untouched."""
+    import torch
+
+    from worldlm_p2p.config import TrainConfig, model_preset
+    from worldlm_p2p.train import (ByteTokenizer, LocalTrainer, SliceEvaluator, build_model, get_flat_params,
+                                   hold_out_tune, tokenize_splits)
+    from worldlm_p2p.train.data import TextSplits
+
+    tok = ByteTokenizer()
+    text = ["the quick brown fox jumps over the lazy dog " * 20] * 30
+    data = hold_out_tune(tokenize_splits(TextSplits(train=text, valid=text[:3], source="test"), tok), fraction=0.2, max_tokens=512,
+                         seq_len=32, eos_id=tok.eos_id)
+    train = TrainConfig(batch_size=2, seq_len=32, inner_steps=2)
+    trainer = LocalTrainer(model=build_model(model_preset("tiny"), vocab_size=tok.vocab_size, seed=0), train=train,
+                           data=data, device=torch.device("cpu"), seed=0)
+    trainer.train_step(0)
+    evaluator = SliceEvaluator(trainer)
+    own = get_flat_params(trainer.model)
+    other = [t + 0.01 for t in own]
+    got = evaluator.tune_loss(other)
+    assert all(torch.equal(a, b) for a, b in zip(get_flat_params(trainer.model), own))  # untouched
+    assert got == trainer.tune_loss(other)
+    assert torch.equal(evaluator.tune_losses(own), trainer.tune_losses(own))
+    assert evaluator.tune_loss(own) != got

@@ -158,7 +158,8 @@ class Peer:
                                       stats=self.stats, member=self._member, server=self._server, trace=self._trace,
                                       stopping=self._stop.is_set, events=self.events,
                                       admitted=lambda: progress.admitted, run_admitted=progress.run_admitted,
-                                      outbound=net.outbound)
+                                      outbound=net.outbound,
+                                      next_round=lambda: self._round.next_round if self._round else self.stats.round)
         world = self._world
         self._round = RegionRound(
             rule=self.rule, averaging=m.averaging, averager=self._averager, state=self._state, stats=self.stats,

@@ -303,6 +303,13 @@ def late_join(config: PeerConfig, *, others: list, rule: rounds.RoundRule, membe
     if all(r.rounds_completed == 0 and r.round == 0 for r in live):
         logger.info("region %s has not averaged yet: its model is the run's common initialisation", config.region)
         return
+    allowed = admitted()
+    if not any(r.state_digest and r.reachability != "outbound" and (allowed is None or r.peer_id in allowed)
+               for r in live):
+        # (outbound-only peers serve nothing, and a peer that has served no state yet has none)
+        logger.info("no live peer of region %s serves its model yet: starting from the run's common "
+                    "initialisation", config.region)
+        return
     logger.info("region %s has %d live peer(s): loading its current model", config.region, len(live))
     served = server.download_verified(timeout=config.join_state_timeout, fetch_others=fetch_others or (lambda: live),
                                       admitted=admitted)

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from worldlm_p2p.rounds import RoundRule
-from worldlm_p2p.train import LocalTrainer, get_flat_params, set_params
+from worldlm_p2p.train import LocalTrainer, SliceEvaluator, get_flat_params, set_params
 
 from worldlm_p2p.peer.stats import PeerStats
 
@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 class Member:
     def __init__(self, *, model: torch.nn.Module, trainer: LocalTrainer, rule: RoundRule, stats: PeerStats) -> None:
         self.model, self.trainer, self.rule, self.stats = model, trainer, rule, stats
+        self._evaluator: SliceEvaluator | None = None
 
     def params(self) -> list[torch.Tensor]:
         """A CPU copy of the model's parameters."""
@@ -34,6 +35,16 @@ class Member:
         if not self.rule.evidence or self.trainer.data.tune.numel() < 2:
             return None
         return self.trainer.tune_losses if self.rule.windowed else self.trainer.tune_loss
+
+    def background_loss_of(self) -> Callable | None:
+        """:meth:`loss_of` on a copy of the model (made once, here: call it from the training thread),
+        for a search in another thread while this model trains on; None without evidence, or
+        under DP-SGD (the search then runs in the training thread, on the model itself)."""
+        if self.loss_of() is None or self.trainer.dp is not None:
+            return None
+        if self._evaluator is None:
+            self._evaluator = SliceEvaluator(self.trainer)
+        return self._evaluator.tune_losses if self.rule.windowed else self._evaluator.tune_loss
 
     def mix_safely(self, search: Callable, *, own: list[torch.Tensor]):
         """Run a mixing search; if evaluating the tune slice fails (out of memory, say), keep the

@@ -25,6 +25,7 @@ DHT_WAIT_STOPPING = 2.0  # ... once the peer is stopping
 
 
 REDIAL_EVERY = 15.0  # seconds between re-dials of the bootstrap nodes a peer is no longer connected to
+WIRE_EVERY = 10.0  # seconds between readings of the bytes on the wire (and at the summary)
 
 class Progress:
     def __init__(self, *, dht, validators, dht_lock: threading.Lock, config: PeerConfig, manifest: RunManifest,
@@ -179,8 +180,14 @@ class Progress:
             self.stats.wire_sent, self.stats.wire_received = measured
 
     def _loop(self) -> None:
+        measured = -math.inf
         while not self.finished.wait(self.config.progress_interval):
-            self.measure_wire()
+            # the kernel's counters are read every WIRE_EVERY seconds only: `ss -p` walks every
+            # process's sockets, a cost that grows with the peers on a machine (measured:
+            # benchmarks/perf.py --idle)
+            if time.monotonic() - measured >= WIRE_EVERY:
+                measured = time.monotonic()
+                self.measure_wire()
             self.publish()
 
     def join(self, timeout: float) -> None:

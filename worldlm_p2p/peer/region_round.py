@@ -86,6 +86,10 @@ class _Flight:
     decision: barrier.Decision | None = None
     averaged: Averaged | None = None
     error: str = ""
+    # an overlapped round's evidence search, made in its thread on a copy of the model: the tune-slice
+    # loss it uses, and what it chose (next model, choice)
+    loss_of: Callable | None = None
+    mixed: tuple | None = None
 
 
 class Strikes:
@@ -155,6 +159,7 @@ class RegionRound:
         self.before_average()
         self.stats.round_entry_tokens = self.stats.tokens
         flight = self._snapshot()
+        flight.loss_of = self.member.background_loss_of() if self.rule.evidence else None
         flight.thread = threading.Thread(target=self._fly, args=(flight,), name=f"region-round-{self.stats.round}",
                                          daemon=True)
         self._flight = flight
@@ -227,7 +232,15 @@ class RegionRound:
             if flight.pre is None:  # a synchronous round: world changes due now, then the snapshot
                 self.before_average()
                 flight.pre = self.member.params()
-            flight.averaged = self.average(flight.pre, waiting=decision.waiting, tokens=flight.tokens)
+            flight.averaged = a = self.average(flight.pre, waiting=decision.waiting, tokens=flight.tokens)
+            if flight.loss_of is not None and a.result.ok and not self.stopping():
+                # the member's evidence search, here on a copy of the model while training goes on
+                # (a failure leaves it to the conclusion, in the training thread)
+                try:
+                    flight.mixed = rounds.member_mix(self.rule, own=a.pre, agreed=a.agreed, loss_of=flight.loss_of)
+                except Exception as e:
+                    logger.debug("round %d: background evidence search failed: %s: %s", self.stats.round,
+                                 type(e).__name__, e)
         except Exception as e:  # never kill the peer for a round: it counts as failed
             logger.warning("round %d: %s: %s", self.stats.round, type(e).__name__, e)
             flight.error = f"{type(e).__name__}: {e}"
@@ -269,7 +282,8 @@ class RegionRound:
         self.judge(averaged.result)
         since = s.tokens_since_round - flight.tokens  # trained while the round was in flight
         outcome = self.apply(averaged, expected=decision.waiting + 1 if decision is not None else None,
-                             current=self.member.params() if flight.thread is not None else None)
+                             current=self.member.params() if flight.thread is not None else None,
+                             mixed=flight.mixed)
         if averaged.result.ok:
             s.tokens_since_round = since
         self._failed_last = outcome is Outcome.FAILED
@@ -343,19 +357,21 @@ class RegionRound:
         return f" ({str(label)[:40]!r})" if label else ""
 
     # ------------------------------------------------------------------ step 3: apply
-    def apply(self, a: Averaged, *, expected: int | None = None, current: list[torch.Tensor] | None = None
-              ) -> Outcome:
+    def apply(self, a: Averaged, *, expected: int | None = None, current: list[torch.Tensor] | None = None,
+              mixed: tuple | None = None) -> Outcome:
         """``expected``: the peers (this one included) that waited for the round at the barrier; a
         smaller group, or a sender dropped by this peer's reducer, makes the round partial.
         ``current``: the member's model now, for an overlapped round computed on the snapshot
-        ``a.pre`` (None: a synchronous round, the model is ``a.pre``)."""
+        ``a.pre`` (None: a synchronous round, the model is ``a.pre``). ``mixed``: the evidence search's
+        (next model, choice), when the round's thread made it already."""
         s, result = self.stats, a.result
         lost = lost_parts(group_size=result.group_size, expected=expected, target=self.averaging.target_group_size,
                           dropped=result.report.dropped) if result.ok else []
         mix, new = None, a.new
         if result.ok and self.rule.evidence:
-            new, mix = self.member.mix_safely(lambda: rounds.member_mix(self.rule, own=a.pre, agreed=a.agreed,
-                                                                        loss_of=self.member.loss_of()), own=a.pre)
+            new, mix = mixed if mixed is not None else self.member.mix_safely(
+                lambda: rounds.member_mix(self.rule, own=a.pre, agreed=a.agreed, loss_of=self.member.loss_of()),
+                own=a.pre)
             self.member.record_mix("region", s.round, mix)
         if result.ok:
             self.state.momentum = a.momentum

@@ -55,16 +55,19 @@ class WorldRounds:
                  peer_id: str, rule: rounds.RoundRule, state: RegionState, stats: PeerStats, member: Member,
                  server: StateServer, trace: Callable[[str, dict], None], stopping: Callable[[], bool],
                  events: EventLog, admitted: Callable[[], set[str] | None] = lambda: None,
-                 run_admitted: Callable[[], dict[str, str] | None] = lambda: None, outbound: bool = False) -> None:
+                 run_admitted: Callable[[], dict[str, str] | None] = lambda: None, outbound: bool = False,
+                 next_round: Callable[[], int] | None = None) -> None:
         """``outbound``: this peer is outbound-only and never stands for its region's lease (a leader
         must be reachable by the other leaders and by its region); ``admitted()``: the peers that may
-        lead this region (None: an open region);
+        lead this region (None: an open region); ``next_round()``: the index of the region round this
+        peer enters next (default: ``stats.round``; one more while an overlapped round is in flight);
         ``run_admitted()``: the peers of the run that may take part in world rounds, peer id -> the
         region it is admitted to (None: anyone)."""
         self.dht, self.validators, self.dht_lock = dht, validators, dht_lock
         self.config, self.manifest, self.peer_id, self.rule = config, manifest, peer_id, rule
         self.state, self.stats, self.member, self.server, self.trace = state, stats, member, server, trace
         self.stopping, self.events, self.run_admitted = stopping, events, run_admitted
+        self.next_round = next_round or (lambda: self.stats.round)
         self._run_admitted: dict[str, str] | None = None  # as read at the last world round's start
         self.tokens_since_world = 0.0
         self._exchange = None  # a WorldExchange, created when this peer first leads a world round
@@ -188,8 +191,8 @@ class WorldRounds:
             return
         # the region applies it at the same region round: the next but one, so that every member has
         # a whole round to see the leader's record and download the change (the barrier keeps the
-        # members' round indices in step)
-        c = WorldChange(world_round=done.world_round, delta=done.delta, apply_round=self.stats.round + 1,
+        # members' round indices in step; an overlapped member downloads it in the next round's thread)
+        c = WorldChange(world_round=done.world_round, delta=done.delta, apply_round=self.next_round() + 1,
                         source=self.peer_id, reference=done.reference)
         self.state.change = c
         self.stats.world_rounds_led += 1

@@ -12,6 +12,7 @@ It knows nothing about peers or networking and never imports hivemind.
 - ``corpus``: the federated layout: :func:`list_corpus`, :func:`read_grouping` (regroupings by a
   grouping file), :func:`demo_data_dir` (the bundled slice).
 - ``trainer``: :class:`LocalTrainer` (AdamW, warmup, clipping, bf16 autocast on CUDA),
+  :class:`SliceEvaluator` (its tune-slice losses on a copy of its model, for another thread),
   :func:`get_flat_params` / :func:`set_params` for the averaging layer.
 - ``dp``: :class:`DPSGDConfig` (``LocalTrainer(..., dp=DPSGDConfig(...))`` runs DP-SGD with Opacus:
   per-window clipping, Gaussian noise, Poisson sampling, an RDP accountant), :class:`DPSGD`,
@@ -43,6 +44,7 @@ from worldlm_p2p.train.model import (
 from worldlm_p2p.train.tokenizer import ByteTokenizer, LocalHFTokenizer, Tokenizer, load_tokenizer
 from worldlm_p2p.train.trainer import (
     LocalTrainer,
+    SliceEvaluator,
     StepResult,
     bits_per_byte,
     get_flat_params,
@@ -72,6 +74,7 @@ __all__ = [
     "list_corpus",
     "read_grouping",
     "LocalTrainer",
+    "SliceEvaluator",
     "StepResult",
     "lr_at",
     "bits_per_byte",

@@ -10,6 +10,7 @@ The library never calls ``torch.set_num_threads``: the caller (CLI, tests) decid
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Iterable, Sequence
@@ -265,6 +266,24 @@ class LocalTrainer:
                                "it were not private and are not counted")
         elif state.get("dp") is not None:
             logger.warning("the resumed state was trained with DP-SGD; this trainer continues without it")
+
+
+class SliceEvaluator:
+    """The tune-slice losses of a :class:`LocalTrainer` (the same windows, the same code) on a copy of
+    its model, so that another thread can search mixes while the trainer's model trains on: an
+    overlapped round's evidence search (:meth:`worldlm_p2p.peer.region_round.RegionRound.start`).
+    Costs one more copy of the parameters (no gradients, no optimizer state)."""
+
+    def __init__(self, trainer: LocalTrainer) -> None:
+        self.model = copy.deepcopy(trainer.model)
+        for p in self.model.parameters():
+            p.grad = None
+            p.requires_grad_(False)
+        self.data, self.train_cfg, self.device = trainer.data, trainer.train_cfg, trainer.device
+
+    _loss = LocalTrainer._loss
+    tune_loss = LocalTrainer.tune_loss
+    tune_losses = LocalTrainer.tune_losses
 
 
 def _cpu_copy(obj: Any) -> Any:
