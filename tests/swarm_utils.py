@@ -161,6 +161,25 @@ def round_rule(strategy: str = "worldlm", **aggregation):
     return RoundRule.from_config(m.aggregation, split_parameters(names, m.aggregation.key_layers), seed=m.train.seed)
 
 
+def round_lost(group: list[dict]) -> list[str]:
+    """Why a round was partial on some member's side (its trace's ``lost``: a sender one of the
+    reducers averaged without, a peer that waited and was not in the group): such a round's members
+    hold what their reducers computed from what arrived, not the pure round of every member."""
+    return [f"{t.get('label', '?')}: {why}" for t in group for why in (t.get("lost") or [])]
+
+
+def round_diagnosis(group: list[dict]) -> str:
+    """Per member, what could make a round differ from the pure one: its anchor's distance to the
+    first member's, the world round it had adopted, its mixing choice, what it lost."""
+    a0 = group[0]["anchor"]
+    rows = []
+    for t in group:
+        g = next((m for m in t.get("gathered", {}).values() if isinstance(m, dict) and m.get("label") == t.get("label")), {})
+        rows.append(f"{t.get('label', '?')}: anchor {max_abs_diff(t['anchor'], a0):.2e} from the first, "
+                    f"world {g.get('world')}, mix {t.get('mix_lam')}, lost {t.get('lost')}")
+    return "; ".join(rows)
+
+
 def round_error(group: list[dict], rule=None) -> float:
     """Largest distance between a member's post-round model and what the pure round function
     (:func:`worldlm_p2p.rounds.region_round_with_anchor`) computes centrally from the members'

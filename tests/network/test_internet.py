@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from swarm_utils import REPO, group_of, round_error, traces
+from swarm_utils import REPO, group_of, round_diagnosis, round_error, round_lost, traces
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import internet  # noqa: E402
@@ -52,16 +52,22 @@ def test_two_peers_behind_two_nats_and_a_public_peer_average_in_one_region(tmp_p
     # eu: 12 rounds of 5 steps; the two outbound peers averaged through the public one
     rounds = sorted(r for r, t in traces(tmp_path, "pub1").items() if t["ok"])
     assert len(rounds) >= 11, (peers["pub1"], log("pub1"))
-    full = 0
+    full, inexact = 0, []
     for r in rounds:
         group = group_of(tmp_path, "pub1", r)
         labels = {t["label"] for t in group}
         assert labels <= {"pub1", "home1", "home2"}
         full += labels == {"pub1", "home1", "home2"}
-        # every member holds what the pure round computes from the members' pre-round models
+        # every member holds what the pure round computes from the members' pre-round models; over
+        # relayed links a part may come late, and hivemind then lets its sender keep its own values
+        # of it (or the reducer averages without it): such a round stays near the pure one, and it
+        # may happen once
         err = round_error(group)
-        assert err < 1e-5, (r, sorted(labels), err)
+        assert err < 0.05, (r, sorted(labels), err, round_diagnosis(group))
+        if err >= 1e-5:
+            inexact.append((r, f"{err:.2e}", round_lost(group) or round_diagnosis(group)))
     assert full >= len(rounds) - 1, f"only {full} of {len(rounds)} rounds held all three eu peers"
+    assert len(inexact) <= 1, f"{len(inexact)} of {len(rounds)} rounds differ from the pure round: {inexact}"
     for host in ("pub1", "home1", "home2"):
         p = peers[host]
         assert p["complete"] >= p["attempts"] - 1 and p["failed"] <= 1, (host, p)

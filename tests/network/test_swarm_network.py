@@ -14,7 +14,7 @@ import signal
 import pytest
 import torch
 
-from swarm_utils import (ProgressReader, alive, descendants, group_of, log_tail, max_abs_diff, process_group, round_error,
+from swarm_utils import (ProgressReader, alive, descendants, group_of, log_tail, max_abs_diff, process_group, round_diagnosis, round_error,
                          start_bootstrap, start_peer, summary, trace, traces, wait_for)
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]  # several peer processes each
@@ -73,7 +73,7 @@ def test_region_rounds_equal_the_pure_round_and_regions_stay_apart(procs, tmp_pa
         if r < min(max(traces(tmp_path, x)) for x in ("eu-a", "eu-b")):  # (the last one: nothing trained after it)
             assert all(max_abs_diff(t["current"], t["pre"]) > 1e-4 for t in group)
         err = round_error(group)
-        assert err < 0.05 and anchors_apart < 0.05, (r, err, anchors_apart)
+        assert err < 0.05 and anchors_apart < 0.05, (r, err, anchors_apart, round_diagnosis(group))
         exact += err < 1e-5 and anchors_apart < 1e-6  # 1e-6: float rounding of the all-reduce
     assert exact >= 2, f"only {exact} of {len(rounds)} rounds equal the pure round"
 

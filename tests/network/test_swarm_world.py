@@ -169,9 +169,12 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
             after = _leaders(reader)
             snap["_led"] = (led_before, led())
             leaders = {reg: v["leader_label"] for reg, v in snap["regions"].items()}
-            seen.append((before, leaders, after))
+            # (and every peer listed: a record published late under load is listed a moment later)
+            listed = {reg: {p["label"] for p in v["peers"]} for reg, v in snap["regions"].items()}
+            seen.append((before, leaders, after, listed))
             agree = set(leaders) == {"eu", "na"} and all(
-                lab is not None and lab in before.get(reg, set()) | after.get(reg, set()) for reg, lab in leaders.items())
+                lab is not None and lab in before.get(reg, set()) | after.get(reg, set())
+                for reg, lab in leaders.items()) and listed == {"eu": set(eu), "na": set(na)}
             return snap if agree else None
 
         try:

@@ -68,3 +68,70 @@ def test_first_world_round():
     _count(w)
     assert started == [0]
     assert isinstance(w._thread, threading.Thread)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A member learns of a world change from the leader's gather in the region round after it was made,
+# not only from the leader's lease record (which its lease view may read seconds late: found in the
+# simulated internet, a NAT peer entered the adoption round without the change and its anchor was
+# not the group's). The leader sets the adoption round so that the announcement arrives in time.
+
+
+def _member(*, leader="L", lease_world=-1, world_round=-1, known=None, served=None):
+    w = WorldRounds.__new__(WorldRounds)
+    w.peer_id = "me"
+    w.stats = SimpleNamespace(world_round=world_round)
+    w.lease = SimpleNamespace(leader=lambda: SimpleNamespace(peer_id=leader, world_round=lease_world))
+    w.state = SimpleNamespace(change=known)
+    w._announced = -1
+    downloads = []
+
+    def download(lead, announced):
+        downloads.append((lead.peer_id, announced))
+        return served
+
+    w._download = download
+    return w, downloads
+
+
+def test_a_member_downloads_what_the_leader_announced_in_its_gather():
+    w, downloads = _member(lease_world=-1, served=_change(0, source="L"))
+    assert w.prefetch() is None and downloads == []  # nothing announced yet
+    w.heard({"L": {"change": 0}, "other": {"change": 7}})
+    assert w._announced == 0
+    assert w.prefetch().world_round == 0 and downloads == [("L", 0)]
+
+
+def test_announcements_of_other_members_or_malformed_ones_are_ignored():
+    w, downloads = _member(lease_world=-1)
+    w.heard({"other": {"change": 3}, "L": {"change": "3"}})
+    w.heard({"L": {"change": True}})
+    w.heard({"L": ["change", 3]})
+    assert w._announced == -1
+    assert w.prefetch() is None and downloads == []
+
+
+def test_a_known_or_adopted_change_is_not_downloaded_again():
+    w, downloads = _member(world_round=0, known=_change(0, source="L"))
+    w.heard({"L": {"change": 0}})
+    w.prefetch()
+    w, downloads2 = _member(world_round=-1, known=_change(1, source="L"))
+    w.heard({"L": {"change": 1}})
+    w.prefetch()
+    assert downloads == downloads2 == []
+
+
+def test_the_lease_record_still_announces_when_no_gather_did():
+    w, downloads = _member(lease_world=2, world_round=1)
+    w.prefetch()
+    assert downloads == [("L", 2)]
+
+
+def test_the_adoption_round_leaves_the_announcement_a_round_to_travel():
+    # synchronous rounds: announced in round n's gather, downloaded after round n + 1's barrier;
+    # overlapped: downloaded in round n + 1's thread, adopted when round n + 2 starts
+    for overlap, ahead in ((False, 1), (True, 2)):
+        w = WorldRounds.__new__(WorldRounds)
+        w.manifest = SimpleNamespace(aggregation=SimpleNamespace(overlap=overlap))
+        w.next_round = lambda: 7
+        assert w.apply_round() == 7 + ahead

@@ -29,8 +29,9 @@ tune slice; ``state`` takes the agreed model and ``serving`` serves it; ``world`
 One world round: the leader's ``world`` starts a thread on a snapshot of ``state`` (border release
 first, :func:`worldlm_p2p.rounds.border_release`), :class:`worldlm_p2p.net.world.WorldExchange`
 averages with the other leaders and exchanges residuals; the thread hands back the change, the
-main thread serves it (``collect``) and renews the lease; each member's ``world`` downloads it
-through ``serving`` at its next region round and adopts it at the round the leader set.
+main thread serves it (``collect``), renews the lease and announces it in its next region round's
+gather; each member's ``world`` downloads it through ``serving`` and adopts it at the round the
+leader set (:meth:`worldlm_p2p.peer.world.WorldRounds.apply_round`).
 """
 
 from worldlm_p2p.peer.core import Peer

@@ -170,7 +170,8 @@ class Peer:
             stopping=self._stop.is_set, trace=self._trace, events=self.events,
             before_average=(lambda: world.maybe_adopt(fetch=not m.aggregation.overlap)) if world else lambda: None,
             in_flight_fetch=(lambda: world.prefetch() and None) if world and m.aggregation.overlap else lambda: None,
-            on_averaged=(lambda result: world.count(gathered_tokens(result))) if world else lambda result: None,
+            on_averaged=(lambda result: (world.heard(result.gathered), world.count(gathered_tokens(result))))
+            if world else lambda result: None,
             on_alone=self._region_of_one,
             on_refresh=lambda missed, why: joining.resync_anchor(missed, why, **parts),
             admitted=lambda: progress.admitted, banned=progress.banned, outbound=net.outbound)

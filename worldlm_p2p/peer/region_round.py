@@ -142,6 +142,7 @@ class RegionRound:
         self._was_alone = False
         self._failed_last = False  # the last round failed here: the others may hold a newer anchor
         self._flight: _Flight | None = None  # an overlapped round in the background
+        self._concluding = False  # inside _conclude: the round's index is not counted past yet
         self.in_flight_fetch = in_flight_fetch
 
     def run(self) -> Outcome:
@@ -196,8 +197,9 @@ class RegionRound:
 
     @property
     def next_round(self) -> int:
-        """The index of the round this peer enters next (one past a round in flight)."""
-        return self.stats.round + (1 if self.in_flight else 0)
+        """The index of the round this peer enters next: one past a round in flight, or past the
+        round being concluded (whose callbacks may ask)."""
+        return self.stats.round + (1 if self.in_flight or self._concluding else 0)
 
     def _snapshot(self) -> "_Flight":
         return _Flight(pre=self.member.params(), tokens=int(self.stats.tokens_since_round))
@@ -247,6 +249,13 @@ class RegionRound:
 
     def _conclude(self, flight: "_Flight") -> Outcome:
         """Step 3 and the round's books, in the main thread (it sets the model)."""
+        self._concluding = True
+        try:
+            return self._conclude_round(flight)
+        finally:
+            self._concluding = False
+
+    def _conclude_round(self, flight: "_Flight") -> Outcome:
         s, decision = self.stats, flight.decision
         if flight.averaged is None and (decision is None or decision.action is barrier.Action.ALONE
                                         or self.stopping()):
@@ -312,6 +321,7 @@ class RegionRound:
         digest = state_digest(anchor)
         result = self.averager.run_round(payload, weight=weight, gather=dict(
             label=self.label, weight=weight, tokens=tokens, round=s.round, world=s.world_round,
+            change=self.state.change.world_round if self.state.change is not None else -1,
             outbound=self.outbound, anchor=digest))
         if result.ok and (why := anchor_disagreement(result.gathered, digest)):
             # the payload is each member's change since its anchor: this member applies the group's
@@ -404,7 +414,7 @@ class RegionRound:
         self.trace(f"round-{s.round:05d}", dict(ok=result.ok, weight=a.weight, pre=a.pre, anchor=a.anchor,
                                                 agreed=self.state.anchor if result.ok else None,
                                                 mix_lam=mix.lam if mix is not None else None, current=current,
-                                                gathered=result.gathered, post=self.member.params()))
+                                                gathered=result.gathered, post=self.member.params(), lost=lost))
         if not result.ok:
             return Outcome.FAILED
         return Outcome.PARTIAL if lost else Outcome.AVERAGED

@@ -74,6 +74,7 @@ class WorldRounds:
         self._thread: threading.Thread | None = None
         self._finished: _Finished | None = None  # set by the world-round thread, taken by collect()
         self._refuted: set[tuple[str, int]] = set()  # (source, world round) of changes this peer refused
+        self._announced = -1  # the newest world round the region's leader announced in a region round's gather
         m = manifest
         self.lease = LeaderLease(dht=dht, validators=validators, run_id=m.run_id, region=config.region,
                                  peer_id=peer_id, fingerprint=m.fingerprint(), ttl=m.averaging.leader_ttl,
@@ -189,10 +190,7 @@ class WorldRounds:
         done, self._finished = self._finished, None
         if done is None:
             return
-        # the region applies it at the same region round: the next but one, so that every member has
-        # a whole round to see the leader's record and download the change (the barrier keeps the
-        # members' round indices in step; an overlapped member downloads it in the next round's thread)
-        c = WorldChange(world_round=done.world_round, delta=done.delta, apply_round=self.next_round() + 1,
+        c = WorldChange(world_round=done.world_round, delta=done.delta, apply_round=self.apply_round(),
                         source=self.peer_id, reference=done.reference)
         self.state.change = c
         self.stats.world_rounds_led += 1
@@ -206,16 +204,40 @@ class WorldRounds:
         logger.info("world round %d: with the leaders of %s in %.2fs; the region adopts it at its next round",
                     c.world_round, ", ".join(done.regions), done.seconds)
 
+    def apply_round(self) -> int:
+        """The region round at which every member adopts a change this leader takes now. The leader
+        announces it in the gather of the next region round it enters (round n, :meth:`heard`), so
+        every member of that round knows of it when the round ends, whenever its lease view was last
+        refreshed: a synchronous member downloads it after the barrier of round n + 1 and adopts it
+        there; an overlapped one downloads it in round n + 1's thread and adopts it when it starts
+        round n + 2. The barrier keeps the members' round indices in step."""
+        return self.next_round() + (2 if self.manifest.aggregation.overlap else 1)
+
     # ------------------------------------------------------------------ member side
+    def heard(self, gathered: dict) -> None:
+        """After a region round: note the world round that the region's leader (as this peer's
+        lease view elects it) announced in its gather. Other members' announcements are ignored: a
+        change is only ever downloaded from the elected leader."""
+        leader = self.lease.leader()
+        if leader is None or leader.peer_id == self.peer_id:
+            return
+        entry = gathered.get(leader.peer_id)
+        w = entry.get("change") if isinstance(entry, dict) else None
+        if isinstance(w, int) and not isinstance(w, bool) and w > self._announced:
+            self._announced = w
+
     def prefetch(self) -> WorldChange | None:
-        """Download the leader's latest world result as soon as its lease record announces it (a
-        network call: an overlapped round makes it in its background thread). The change known."""
+        """Download the leader's latest world result as soon as it is announced, in the gather of a
+        region round (:meth:`heard`) or in the leader's lease record (a network call: an overlapped
+        round makes it in its background thread). The change known."""
         s = self.stats
         leader = self.lease.leader()
         known = self.state.change
-        if (leader is not None and leader.peer_id != self.peer_id and leader.world_round > s.world_round
-                and (known is None or known.world_round < leader.world_round)):
-            known = self._download(leader) or known
+        if leader is None or leader.peer_id == self.peer_id:
+            return known
+        announced = max(leader.world_round, self._announced)
+        if announced > s.world_round and (known is None or known.world_round < announced):
+            known = self._download(leader, announced) or known
         return known
 
     def maybe_adopt(self, *, fetch: bool = True) -> None:
@@ -283,17 +305,17 @@ class WorldRounds:
             self.state.change = None
         return True
 
-    def _download(self, leader) -> WorldChange | None:
+    def _download(self, leader, announced: int) -> WorldChange | None:
         served = self.server.download_from(leader.peer_id, timeout=self.manifest.averaging.averaging_timeout)
         if served is None:
             logger.warning("could not download world round %d from the leader; retrying at the next round",
-                           leader.world_round)
+                           announced)
             return None
         c = served.change
-        if c is None or c.world_round < leader.world_round:
-            # (a change newer than the lease record said is taken: the record is read a moment late)
+        if c is None or c.world_round < announced:
+            # (a change newer than announced is taken: the announcement is read a moment late)
             logger.warning("rejected the world change served by the leader (stale: world round %s, the leader "
-                           "announced %d)", c.world_round if c else "none", leader.world_round)
+                           "announced %d)", c.world_round if c else "none", announced)
             return None
         self.state.adopt_border_history(served.border_history)
         change = WorldChange(world_round=c.world_round, delta=c.delta, apply_round=c.apply_round,
