@@ -49,38 +49,46 @@ def _sync(device) -> None:
 
 
 def train_alone(preset: str, args) -> dict:
+    """The preset trained alone twice from the same start: steps that read their loss back (the
+    synchronous step) and deferred steps (``train_step(defer=True)``, the peer's on CUDA: no
+    host-device round trip, the losses read once at the end)."""
     import torch
 
     from worldlm_p2p.config import PeerConfig
     from worldlm_p2p.peer.joining import build_local
-    from worldlm_p2p.train import demo_data_dir, load_texts
+    from worldlm_p2p.train import demo_data_dir, load_texts, resolve_steps
     from worldlm_p2p.train.corpus import list_corpus
 
     data = sorted(p for ps in list_corpus(demo_data_dir()).values() for p in ps)[0]
     m = manifest(preset, run_id=f"gpu-{preset}", batch_size=args.batch_size, seq_len=args.seq_len, inner_steps=10)
-    local = build_local(PeerConfig(region="eu", data=str(data), label=f"gpu-{preset}", device=args.device), m,
-                        load_texts(data))
-    trainer = local.trainer
-    device = next(local.model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    parameters = sum(p.numel() for p in local.model.parameters())
-    first = None
-    for step in range(args.warmup):
-        r = trainer.train_step(step)
-        first = r.loss if first is None else first
-    _sync(device)
-    t0, tokens = time.perf_counter(), 0
-    last = None
-    for step in range(args.warmup, args.warmup + args.steps):
-        r = trainer.train_step(step)
-        tokens += r.tokens
-        last = r.loss
-    _sync(device)
-    seconds = time.perf_counter() - t0
-    return dict(preset=preset, device=str(device), parameters=parameters, steps=args.steps, tokens=tokens,
-                seconds=seconds, tokens_per_s=tokens / seconds, first_loss=first, last_loss=last,
-                peak_memory_gib=(torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None))
+    out: dict = dict(preset=preset)
+    for mode, defer in (("sync", False), ("deferred", True)):
+        local = build_local(PeerConfig(region="eu", data=str(data), label=f"gpu-{preset}", device=args.device), m,
+                            load_texts(data))
+        trainer = local.trainer
+        device = next(local.model.parameters()).device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        results = [trainer.train_step(step, defer=defer) for step in range(args.warmup)]
+        _sync(device)
+        t0 = time.perf_counter()
+        timed = [trainer.train_step(step, defer=defer) for step in range(args.warmup, args.warmup + args.steps)]
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        results = resolve_steps(results + timed)
+        tokens = sum(r.tokens for r in timed)
+        out.update(device=str(device), parameters=sum(p.numel() for p in local.model.parameters()), steps=args.steps,
+                   tokens=tokens, first_loss=results[0].loss, last_loss=results[-1].loss,
+                   skipped=sum(r.skipped for r in results))
+        out[mode] = dict(seconds=seconds, tokens_per_s=tokens / seconds,
+                         peak_memory_gib=(torch.cuda.max_memory_allocated(device) / 2 ** 30
+                                          if device.type == "cuda" else None))
+        del local, trainer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out["tokens_per_s"] = out["deferred"]["tokens_per_s"]
+    out["peak_memory_gib"] = out["deferred"]["peak_memory_gib"]
+    return out
 
 
 def region_of_two(args, out: Path) -> dict:
@@ -96,11 +104,19 @@ def region_of_two(args, out: Path) -> dict:
         swarm.start()
         deadline = time.monotonic() + args.swarm_timeout
         swarm.wait(should_stop=lambda: time.monotonic() > deadline)
+    summaries = sorted((out / "peers").glob("*.json"))
+    if len(summaries) < 2 or any(not json.loads(p.read_text()).get("rounds_completed") for p in summaries):
+        for log in sorted((out / "logs").glob("*.log")):  # say why, before the temporary folder goes
+            print(f"--- {log.name} (last 25 lines)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-25:]),
+                  file=sys.stderr, flush=True)
     peers = {}
-    for path in sorted((out / "peers").glob("*.json")):
+    for path in summaries:
         s = json.loads(path.read_text())
         rs = s.get("round_seconds") or []
-        peers[path.stem] = dict(tokens_per_s=s.get("tokens_per_s"), steps=s.get("steps"),
+        h = s.get("history") or []  # a point every H steps, before the round: between them, H steps and a round
+        steady = ((h[-1]["tokens"] - h[0]["tokens"]) / (h[-1]["time"] - h[0]["time"])
+                  if len(h) >= 2 and h[-1]["time"] > h[0]["time"] else None)
+        peers[path.stem] = dict(tokens_per_s=s.get("tokens_per_s"), steady_tokens_per_s=steady, steps=s.get("steps"),
                                 rounds=s.get("rounds_completed"), median_round_s=statistics.median(rs) if rs else None)
     return dict(preset=args.swarm_preset, device=args.device, steps=args.swarm_steps, inner_steps=args.inner_steps,
                 wall_s=time.monotonic() - t0, peers=peers)
@@ -118,6 +134,7 @@ def main() -> None:
     p.add_argument("--swarm-steps", type=int, default=200)
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--swarm-timeout", type=float, default=240.0)
+    p.add_argument("--no-region", action="store_true", help="the presets alone only (e.g. at another batch size)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "gpu_check.json")
     args = p.parse_args()
     import torch
@@ -127,22 +144,32 @@ def main() -> None:
     result: dict = dict(device=args.device, torch=torch.__version__,
                         gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, alone=[])
     lines = [f"GPU check on {result['gpu'] or 'cpu'} (torch {torch.__version__}), batch {args.batch_size} x "
-             f"{args.seq_len}", "", "| preset | parameters | tokens/s | peak GPU memory | loss first -> last |",
-             "|---|---:|---:|---:|---|"]
+             f"{args.seq_len}", "",
+             "| preset | parameters | tokens/s, deferred steps (synchronous) | deferred / synchronous | peak GPU memory "
+             "| loss first -> last |", "|---|---:|---:|---:|---:|---|"]
     for preset in [x for x in args.presets.split(",") if x]:
         r = train_alone(preset, args)
         result["alone"].append(r)
         mem = f"{r['peak_memory_gib']:.2f} GiB" if r["peak_memory_gib"] is not None else "-"
-        lines.append(f"| {preset} | {r['parameters'] / 1e6:.1f} M | {r['tokens_per_s']:.0f} | {mem} | "
+        lines.append(f"| {preset} | {r['parameters'] / 1e6:.1f} M | {r['tokens_per_s']:.0f} "
+                     f"({r['sync']['tokens_per_s']:.0f}) | {r['tokens_per_s'] / r['sync']['tokens_per_s']:.2f} | {mem} | "
                      f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
         print(lines[-1], flush=True)
+    if args.no_region:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print("\n".join(lines))
+        return
     with tempfile.TemporaryDirectory(prefix="worldlm-gpu-check-") as tmp:
         result["region"] = region = region_of_two(args, Path(tmp))
     lines += ["", f"2-peer region ({region['preset']}, H = {region['inner_steps']}, {region['steps']} steps, "
                   f"{region['wall_s']:.0f} s)", "",
-              "| peer | tokens/s (since its start, start-up included) | rounds | median round s |", "|---|---:|---:|---:|"]
+              "| peer | tokens/s between its first and last history points (rounds included) | tokens/s since "
+              "training started (waits for the other peer included) | rounds | median round s |",
+              "|---|---:|---:|---:|---:|"]
     for label, r in region["peers"].items():
-        lines.append(f"| {label} | {r['tokens_per_s'] or 0:.0f} | {r['rounds']} | {r['median_round_s'] or 0:.2f} |")
+        lines.append(f"| {label} | {r['steady_tokens_per_s'] or 0:.0f} | {r['tokens_per_s'] or 0:.0f} | {r['rounds']} | "
+                     f"{r['median_round_s'] or 0:.2f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print("\n".join(lines))

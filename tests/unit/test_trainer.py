@@ -234,3 +234,72 @@ def test_the_slice_evaluator_gives_the_trainers_tune_losses_without_touching_its
     assert got == trainer.tune_loss(other)
     assert torch.equal(evaluator.tune_losses(own), trainer.tune_losses(own))
     assert evaluator.tune_loss(own) != got
+
+
+# -- the deferred step (CUDA's: no host-device round trip per step) ----------------------------------
+# Its mechanism runs on any device with the fused AdamW (on CUDA the trainer builds that one); here on
+# CPU, against the synchronous step with the same optimizer.
+
+
+def _fused(trainer: LocalTrainer) -> LocalTrainer:
+    groups = [dict(params=list(g["params"]), weight_decay=g["weight_decay"]) for g in trainer.optimizer.param_groups]
+    d = trainer.optimizer.defaults
+    trainer.optimizer = torch.optim.AdamW(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], fused=True)
+    return trainer
+
+
+def _deferred(trainer: LocalTrainer, step: int):
+    from worldlm_p2p.train.data import sample_batch
+
+    cfg = trainer.train_cfg
+    x, y = sample_batch(trainer.data.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, step=step,
+                        seed=trainer.seed)
+    return trainer._deferred_step(step, x, y)
+
+
+def test_deferred_steps_equal_synchronous_steps(demo_tokens: TokenData) -> None:
+    from worldlm_p2p.train.trainer import resolve_steps
+
+    sync, deferred = _fused(_trainer(demo_tokens)), _fused(_trainer(demo_tokens))
+    want = [sync.train_step(step) for step in range(4)]
+    got = [_deferred(deferred, step) for step in range(4)]
+    assert all(r.pending is not None and math.isnan(r.loss) for r in got)  # nothing read back yet
+    got = resolve_steps(got)
+    assert [r.loss for r in got] == pytest.approx([r.loss for r in want], abs=1e-6)
+    assert [r.grad_norm for r in got] == pytest.approx([r.grad_norm for r in want], rel=1e-5)
+    assert not any(r.skipped or r.pending is not None for r in got)
+    for a, b in zip(get_flat_params(sync.model), get_flat_params(deferred.model), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_a_deferred_step_with_a_non_finite_loss_is_skipped_on_the_device(demo_tokens: TokenData) -> None:
+    from worldlm_p2p.train.trainer import resolve_steps
+
+    trainer = _fused(_trainer(demo_tokens))
+    _deferred(trainer, 0)
+    params = [t.clone() for t in get_flat_params(trainer.model)]
+    state = {k: v.clone() for s in trainer.optimizer.state.values() for k, v in s.items() if k == "step"}
+    moments = [s["exp_avg"].clone() for s in trainer.optimizer.state.values()]
+    loss = trainer._loss
+    trainer._loss = lambda x, y, reduction: loss(x, y, reduction=reduction) * float("nan")
+    bad = _deferred(trainer, 1)
+    trainer._loss = loss
+    assert all(torch.equal(a, b) for a, b in zip(params, get_flat_params(trainer.model), strict=True))
+    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, trainer.optimizer.state.values(), strict=True))
+    assert all(float(s["step"]) == float(state["step"]) for s in trainer.optimizer.state.values())
+    good = _deferred(trainer, 2)  # the next step trains again
+    (bad, good) = resolve_steps([bad, good])
+    assert bad.skipped and math.isnan(bad.loss) and not good.skipped and math.isfinite(good.loss)
+    assert not all(torch.equal(a, b) for a, b in zip(params, get_flat_params(trainer.model), strict=True))
+
+
+def test_resolve_steps_reads_pending_values_in_order_and_keeps_the_others() -> None:
+    from worldlm_p2p.train.trainer import StepResult, resolve_steps
+
+    plain = StepResult(loss=2.5, tokens=4, grad_norm=1.0)
+    a = StepResult(loss=math.nan, tokens=4, pending=(torch.tensor(3.0), torch.tensor(0.5)))
+    b = StepResult(loss=math.nan, tokens=4, pending=(torch.tensor(1.5), torch.tensor(float("inf"))))
+    out = resolve_steps([a, plain, b])
+    assert [(r.loss, r.grad_norm, r.skipped) for r in out] == [(3.0, 0.5, False), (2.5, 1.0, False),
+                                                               (1.5, math.inf, True)]
+    assert out[1] is plain and resolve_steps([plain]) == [plain]

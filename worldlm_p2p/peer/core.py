@@ -29,7 +29,7 @@ from worldlm_p2p.net.robust_allreduce import RobustSettings
 from worldlm_p2p.net.keys import ALL_REGIONS
 from worldlm_p2p import compression, rounds
 from worldlm_p2p.rounds import region_payload
-from worldlm_p2p.train import load_texts
+from worldlm_p2p.train import load_texts, resolve_steps
 
 from worldlm_p2p.peer import checkpoints, joining
 from worldlm_p2p.peer.events import EventLog
@@ -205,14 +205,21 @@ class Peer:
         last_ckpt = s.step
         s.round_entry_tokens = s.tokens
         self.events.emit("training", started_from=s.started_from, step=s.step)
+        # on CUDA a step reads nothing back from the device: its loss is read with the others' at
+        # every history point (every H steps, or 32 steps), in one round trip
+        defer, unread = self.trainer.device.type == "cuda", []
         while not self._stop.is_set() and not self._done():
             began = time.monotonic()
-            result = self.trainer.train_step(s.step)
+            result = self.trainer.train_step(s.step, defer=defer)
             s.count_step(tokens=result.tokens, loss=result.loss)
+            if result.pending is not None:
+                unread.append(result)
             if cfg.slowdown > 1:  # an emulated slower device
                 self._stop.wait((cfg.slowdown - 1) * (time.monotonic() - began))
             if self._world is not None:
                 self._world.collect()  # a world round this peer led has finished
+            if unread and (s.step % H == 0 or len(unread) >= 32):
+                self._read_losses(unread)
             if s.step % H == 0:
                 s.history_point()
             if self.rule.strategy.averages and self._round_due(H):
@@ -223,6 +230,7 @@ class Peer:
             if s.step % cfg.checkpoint_every == 0:
                 self._checkpoint()
                 last_ckpt = s.step
+        self._read_losses(unread)
         if self._round is not None and self._round.in_flight:  # the last overlapped round: applied as it ends
             still = time.monotonic()
             self._round.finish()
@@ -234,6 +242,18 @@ class Peer:
         self._progress.publish()  # finished=True: barriers stop waiting for us
         self.events.emit("finished", step=s.step, tokens=s.tokens)
         return self.summary(final_eval=True)
+
+    def _read_losses(self, unread: list) -> None:
+        """Count the losses of deferred steps (read back in one round trip), and empty ``unread``."""
+        if not unread:
+            return
+        first = self.stats.step - len(unread)
+        for i, r in enumerate(resolve_steps(unread)):
+            self.stats.count_loss(r.loss)
+            if r.skipped:
+                logger.warning("step %d: loss %s, gradient norm %s: the update was skipped", first + i, r.loss,
+                               r.grad_norm)
+        unread.clear()
 
     def _round_due(self, H: int) -> bool:
         """Whether this peer enters its next region round now (``aggregation.schedule``): after every

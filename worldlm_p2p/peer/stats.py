@@ -75,9 +75,13 @@ class PeerStats:
 
     # -- what happens to the counters ------------------------------------------------------
     def count_step(self, *, tokens: int, loss: float) -> None:
+        """A step done; its ``loss`` (NaN: none, or not read back yet: :meth:`count_loss` later)."""
         self.step += 1
         self.tokens += tokens
         self.tokens_since_round += tokens
+        self.count_loss(loss)
+
+    def count_loss(self, loss: float) -> None:
         if math.isfinite(loss):  # (a DP-SGD step on an empty Poisson batch has no loss)
             self.last_train_loss = loss
             if self.first_train_loss is None:

@@ -14,6 +14,7 @@ import copy
 import logging
 import math
 from collections.abc import Iterable, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,19 +29,43 @@ from worldlm_p2p.train.model import autocast_context
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepResult", "LocalTrainer", "get_flat_params", "set_params", "bits_per_byte", "lr_at"]
+__all__ = ["StepResult", "resolve_steps", "LocalTrainer", "get_flat_params", "set_params", "bits_per_byte", "lr_at"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepResult:
     """Outcome of one optimizer step. ``loss`` is the batch's mean cross-entropy (nats/token); NaN
-    (with ``tokens == 0``) for an empty DP-SGD batch, whose update is noise only."""
+    (with ``tokens == 0``) for an empty DP-SGD batch, whose update is noise only.
+
+    A *deferred* step (``train_step(step, defer=True)`` on CUDA) has not read its loss back from the
+    device: ``pending`` holds the loss and the gradient norm as device tensors, ``loss`` and
+    ``grad_norm`` are NaN and ``skipped`` is unknown (False) until :func:`resolve_steps` reads them,
+    many steps in one host-device round trip."""
 
     loss: float
     tokens: int
     lr: float = 0.0
     grad_norm: float = math.nan  # before clipping; NaN when not computed (always under DP-SGD)
     skipped: bool = False  # True when the loss was not finite and no update was made
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (loss, grad norm) on the device, not read yet
+
+
+def resolve_steps(results: Sequence[StepResult]) -> list[StepResult]:
+    """``results`` with every deferred step's loss and gradient norm read back, in one host-device
+    round trip for all of them (a step whose loss or norm was not finite was skipped on the device)."""
+    pending = [r for r in results if r.pending is not None]
+    if not pending:
+        return list(results)
+    values = iter(torch.stack([t.detach().float().reshape(()) for r in pending for t in r.pending]).tolist())
+    out = []
+    for r in results:
+        if r.pending is None:
+            out.append(r)
+            continue
+        loss, norm = next(values), next(values)
+        out.append(dataclasses.replace(r, loss=loss, grad_norm=norm, pending=None,
+                                       skipped=not (math.isfinite(loss) and math.isfinite(norm))))
+    return out
 
 
 def lr_at(step: int, train: TrainConfig) -> float:
@@ -95,11 +120,15 @@ class LocalTrainer:
         self.data = data
         self.device = device
         self.seed = int(seed)
+        # on CUDA the fused AdamW: one kernel for all parameters, and it skips a step on the device
+        # when told (``found_inf``), which lets a step with a non-finite loss be skipped without
+        # reading the loss back (train_step's ``defer``)
         self.optimizer = torch.optim.AdamW(
             _param_groups(self.model, train.weight_decay),
             lr=lr_at(0, train),
             betas=(train.beta1, train.beta2),
             eps=1e-8,
+            **({"fused": True} if device.type == "cuda" and dp is None else {}),
         )
         self._warned_no_valid = False
         self.dp: DPSGD | None = None
@@ -114,13 +143,21 @@ class LocalTrainer:
             logits = self.model(input_ids=x).logits
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction=reduction)
 
-    def train_step(self, step: int) -> StepResult:
+    def train_step(self, step: int, *, defer: bool = False) -> StepResult:
         """One optimizer step on the batch of ``step`` (a pure function of ``(seed, step)``; under DP-SGD
-        the Poisson batch of :meth:`DPSGD.batch`)."""
+        the Poisson batch of :meth:`DPSGD.batch`).
+
+        ``defer`` (CUDA, without DP-SGD): no host-device round trip in the step. The batch goes up
+        from pinned memory, the loss and gradient norm stay on the device (the result's ``pending``,
+        read by :func:`resolve_steps`), and a step whose loss or gradient norm is not finite is
+        skipped by the fused optimizer on the device, as the synchronous step skips it on the host.
+        Elsewhere it is the synchronous step."""
         if self.dp is not None:
             return self._dp_train_step(step, self.dp)
         cfg = self.train_cfg
         x, y = sample_batch(self.data.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, step=step, seed=self.seed)
+        if defer and self.device.type == "cuda":
+            return self._deferred_step(step, x, y)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         lr = lr_at(step, cfg)
         for group in self.optimizer.param_groups:
@@ -139,6 +176,31 @@ class LocalTrainer:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
         self.optimizer.step()
         return StepResult(loss=loss_value, tokens=x.numel(), lr=lr, grad_norm=grad_norm)
+
+    def _deferred_step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> StepResult:
+        cfg = self.train_cfg
+        if self.device.type == "cuda":  # (a copy from pageable memory would wait for the stream)
+            x, y = x.pin_memory(), y.pin_memory()
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        lr = lr_at(step, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._loss(x, y, reduction="mean")
+        loss.backward()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if cfg.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
+        found_inf = (~(torch.isfinite(loss) & torch.isfinite(norm))).float()
+        self.optimizer.found_inf = found_inf  # the fused AdamW skips the step on the device when it is 1
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+        return StepResult(loss=math.nan, tokens=x.numel(), lr=lr, pending=(loss.detach(), norm.detach()))
 
     def _dp_train_step(self, step: int, dp: DPSGD) -> StepResult:
         """One DP-SGD step on the Poisson batch of ``step``; every call is one accountant step."""
