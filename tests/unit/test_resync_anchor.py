@@ -151,3 +151,29 @@ def test_a_joiner_whose_live_region_mates_serve_nothing_does_not_wait_for_a_down
                              reachability="direct")
     late_join(others=[outbound, direct], **kw)
     assert len(server.downloads) == 1
+
+
+def test_a_group_of_at_most_half_the_members_that_waited_does_not_move_the_anchor():
+    """Two halves of a region that each moved the anchor would hold two anchors, and groups mixing
+    them would drop every round; so a group holding at most half of the members that waited (as the
+    group's members gathered it, their lower median, at most the target group size) moves its
+    members' models only (peer.region_round.minority_group)."""
+    from worldlm_p2p.peer.region_round import minority_group
+
+    def g(*expected):
+        return {f"p{i}": dict(expected=e) for i, e in enumerate(expected)}
+
+    assert minority_group(g(4, 4), group_size=2, target=64) == 4  # 2 of 4: a half
+    assert minority_group(g(4, 4, 4), group_size=3, target=64) is None  # 3 of 4: a majority
+    assert minority_group(g(2, 2), group_size=2, target=64) is None  # the whole region of 2
+    assert minority_group(g(3, 3), group_size=2, target=64) is None  # 2 of 3
+    assert minority_group(g(5, 5), group_size=2, target=64) == 5
+    # one member's count cannot hold the group's anchor: the lower median decides
+    assert minority_group(g(3, 64), group_size=2, target=64) is None
+    assert minority_group(g(3, 3, 64), group_size=3, target=64) is None
+    assert minority_group(g(8, 8), group_size=2, target=4) == 4  # at most the target group size
+    assert minority_group(g(8, 8, 8), group_size=3, target=4) is None
+    # members that gathered no count, or garbage, are not counted; none at all: no decision
+    assert minority_group({"a": {}, "b": "junk", "c": dict(expected=True)}, group_size=2, target=64) is None
+    assert minority_group({"a": dict(expected=6), "b": dict(expected="6")}, group_size=3, target=64) == 6
+    assert minority_group(g(4, 4), group_size=0, target=64) is None

@@ -321,7 +321,7 @@ class RegionRound:
         digest = state_digest(anchor)
         result = self.averager.run_round(payload, weight=weight, gather=dict(
             label=self.label, weight=weight, tokens=tokens, round=s.round, world=s.world_round,
-            change=self.state.change.world_round if self.state.change is not None else -1,
+            change=self.state.change.world_round if self.state.change is not None else -1, expected=waiting + 1,
             outbound=self.outbound, anchor=digest))
         if result.ok and (why := anchor_disagreement(result.gathered, digest)):
             # the payload is each member's change since its anchor: this member applies the group's
@@ -383,10 +383,16 @@ class RegionRound:
                 lambda: rounds.member_mix(self.rule, own=a.pre, agreed=a.agreed, loss_of=self.member.loss_of()),
                 own=a.pre)
             self.member.record_mix("region", s.round, mix)
+        minority = minority_group(result.gathered, group_size=result.group_size,
+                                  target=self.averaging.target_group_size) if result.ok else None
+        if minority is not None:
+            lost.append(f"a group of {result.group_size} of the {minority} members that waited moves its members' "
+                        f"models, not the region's anchor")
         if result.ok:
-            self.state.momentum = a.momentum
             self.member.set(new if current is None else rounds.stale_apply(new, pre=a.pre, current=current))
-            self.state.anchor = a.agreed
+            if minority is None:
+                self.state.momentum = a.momentum
+                self.state.anchor = a.agreed
             clients = sum(1 for g in result.gathered.values() if isinstance(g, dict) and g.get("outbound") is True)
             sent, received = aggregation.allreduce_traffic(self.payload_bytes, result.group_size, clients=clients,
                                                            client=self.outbound)
@@ -430,6 +436,22 @@ def lost_parts(*, group_size: int, expected: int | None, target: int, dropped: t
     if dropped:
         lost.append(f"this peer's reducer dropped the part of {', '.join(dropped)}")
     return lost
+
+
+def minority_group(gathered: dict, *, group_size: int, target: int) -> int | None:
+    """The members that waited for the round, when the group holds no more than half of them (None
+    when it holds more): such a group's average moves its members' models but not the region's
+    anchor. Two halves of a region that each moved the anchor would hold two anchors, and groups
+    that later mix them have none by a majority and drop every round (found with 16 peers on 2
+    cores). Every member decides alike, from the counts the group's members gathered (``expected``,
+    each member's barrier view): their lower median (one member that claims a large count cannot
+    hold the anchor of a group whose other members see fewer), at most ``target``."""
+    counts = sorted(g["expected"] for g in gathered.values() if isinstance(g, dict)
+                    and isinstance(g.get("expected"), int) and not isinstance(g.get("expected"), bool))
+    if not counts or group_size <= 0:
+        return None
+    expected = min(counts[(len(counts) - 1) // 2], int(target))
+    return expected if 2 * group_size <= expected else None
 
 
 def anchor_disagreement(gathered: dict, own: str) -> str:
