@@ -177,3 +177,22 @@ def test_a_group_of_at_most_half_the_members_that_waited_does_not_move_the_ancho
     assert minority_group({"a": {}, "b": "junk", "c": dict(expected=True)}, group_size=2, target=64) is None
     assert minority_group({"a": dict(expected=6), "b": dict(expected="6")}, group_size=3, target=64) == 6
     assert minority_group(g(4, 4), group_size=0, target=64) is None
+
+
+def test_a_resync_to_a_state_that_adopted_world_rounds_counts_them_as_adopted():
+    """The served agreed model holds the world changes its server adopted: a member that takes it as
+    its anchor has them too, and must not adopt them again (their delta would count twice, and its
+    anchor would be nobody's: found in CI, a joiner's region of two then dropped every round)."""
+    import dataclasses
+
+    parts, state, server, new, _ = _setup(my_round=15, served_round=15)
+    server.served = dataclasses.replace(server.served, world_round=0)
+    assert parts["stats"].world_round == -1
+    assert resync_anchor(1, "the region went ahead", **parts)
+    assert parts["stats"].world_round == 0
+    # a state that adopted fewer world rounds than this peer does not take its count back
+    parts, state, server, new, _ = _setup(my_round=15, served_round=15)
+    parts["stats"].world_round = 2
+    server.served = dataclasses.replace(server.served, world_round=1)
+    assert resync_anchor(1, "the region went ahead", **parts)
+    assert parts["stats"].world_round == 2

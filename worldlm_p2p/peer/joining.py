@@ -363,6 +363,13 @@ def resync_anchor(missed: int, why: str, *, config: PeerConfig, rule: rounds.Rou
         logger.debug("round %d: no region state newer than this peer's anchor (%s)", stats.round, why)
         return False
     state.anchor, state.momentum = region_model(served, rule=rule, member=member), served.momentum or None
+    if served.world_round > stats.world_round:
+        # the served agreed model has adopted world changes this peer has not: they are in the anchor
+        # now, and adopting one again would add its delta twice (the anchor would then be nobody's,
+        # and a region of two would drop every later round: found when a joiner's resync took a
+        # state of the round where its region mate adopted a world change)
+        stats.world_round = served.world_round
+        state.adopt_border_history(served.border_history)
     if missed > 0:
         logger.info("the region moved %d round(s) ahead of this peer: took its agreed model of round %d as "
                     "the reference", missed, served.round)
