@@ -303,3 +303,16 @@ def test_resolve_steps_reads_pending_values_in_order_and_keeps_the_others() -> N
     assert [(r.loss, r.grad_norm, r.skipped) for r in out] == [(3.0, 0.5, False), (2.5, 1.0, False),
                                                                (1.5, math.inf, True)]
     assert out[1] is plain and resolve_steps([plain]) == [plain]
+
+
+def test_deferred_steps_without_clipping_equal_synchronous_steps_and_report_the_norm(demo_tokens: TokenData) -> None:
+    from worldlm_p2p.train.trainer import resolve_steps
+
+    train = dataclasses.replace(TRAIN, grad_clip=0.0)
+    sync, deferred = _fused(_trainer(demo_tokens, train=train)), _fused(_trainer(demo_tokens, train=train))
+    want = [sync.train_step(step) for step in range(3)]
+    got = resolve_steps([_deferred(deferred, step) for step in range(3)])
+    assert [r.loss for r in got] == pytest.approx([r.loss for r in want], abs=1e-6)
+    assert all(math.isfinite(r.grad_norm) and r.grad_norm > 0 for r in got)
+    for a, b in zip(get_flat_params(sync.model), get_flat_params(deferred.model), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -158,12 +158,7 @@ class LocalTrainer:
         x, y = sample_batch(self.data.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, step=step, seed=self.seed)
         if defer and self.device.type == "cuda":
             return self._deferred_step(step, x, y)
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        lr = lr_at(step, cfg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        x, y, lr = self._begin_step(step, x, y)
         loss = self._loss(x, y, reduction="mean")
         loss_value = float(loss.detach())
         if not math.isfinite(loss_value):
@@ -177,23 +172,31 @@ class LocalTrainer:
         self.optimizer.step()
         return StepResult(loss=loss_value, tokens=x.numel(), lr=lr, grad_norm=grad_norm)
 
-    def _deferred_step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> StepResult:
-        cfg = self.train_cfg
-        if self.device.type == "cuda":  # (a copy from pageable memory would wait for the stream)
+    def _begin_step(self, step: int, x: torch.Tensor, y: torch.Tensor, *, pin: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """The batch on the device (from pinned memory with ``pin``), the step's learning rate set,
+        the model in training mode with no gradients."""
+        if pin:
             x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        lr = lr_at(step, cfg)
+        lr = lr_at(step, self.train_cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        return x, y, lr
+
+    def _deferred_step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> StepResult:
+        cfg = self.train_cfg
+        # (on CUDA a copy from pageable memory would wait for the stream)
+        x, y, lr = self._begin_step(step, x, y, pin=self.device.type == "cuda")
         loss = self._loss(x, y, reduction="mean")
         loss.backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         if cfg.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         else:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         found_inf = (~(torch.isfinite(loss) & torch.isfinite(norm))).float()
         self.optimizer.found_inf = found_inf  # the fused AdamW skips the step on the device when it is 1
         try:
