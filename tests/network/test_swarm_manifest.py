@@ -36,7 +36,7 @@ def test_a_forged_manifest_stops_nobody_and_the_run_outlives_its_bootstrap(procs
     procs.start_script([sys.executable, "-c", FORGER, *maddrs], log=tmp_path / "logs" / "forger.log")
     wait_for(lambda: "FORGED" in (tmp_path / "logs" / "forger.log").read_text(errors="replace"), 120,
              "the forged manifest to be stored")
-    a = start_peer(procs, tmp_path, maddrs, region="eu", sub="nl_news", label="eu-a", max_steps=400)
+    a = start_peer(procs, tmp_path, maddrs, region="eu", sub="nl_news", label="eu-a", max_steps=100_000)  # until stopped
     log_a = tmp_path / "logs" / "eu-a.log"
     wait_for(lambda: "others can join through this peer" in log_a.read_text(errors="replace"), 120,
              "eu-a to join despite the forged manifest")
