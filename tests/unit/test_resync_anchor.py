@@ -125,8 +125,16 @@ def test_a_member_whose_anchor_is_not_the_groups_drops_the_round():
     stale = {"a": dict(anchor="x"), "b": dict(anchor="x"), "c": dict(anchor="old")}
     assert anchor_disagreement(stale, "x") == ""  # (the majority applies it: the old average of models)
     assert "is not the group's (x, held by 2 of 3)" in anchor_disagreement(stale, "old")
-    tie = {"a": dict(anchor="x"), "b": dict(anchor="y")}
-    assert "none by a majority" in anchor_disagreement(tie, "x") and anchor_disagreement(tie, "y")
+    # a tie: one side applies the round, the other drops it, whatever order the group gathered in;
+    # the anchor whose holders adopted more world rounds wins, then the greater digest
+    tie = {"a": dict(anchor="x", world=3), "b": dict(anchor="y", world=3)}
+    assert anchor_disagreement(tie, "y") == ""
+    assert "none by a majority; the tie went to y" in anchor_disagreement(tie, "x")
+    assert anchor_disagreement(dict(reversed(tie.items())), "y") == ""
+    newer = {"a": dict(anchor="x", world=4), "b": dict(anchor="y", world=3)}
+    assert anchor_disagreement(newer, "x") == "" and "tie went to x" in anchor_disagreement(newer, "y")
+    three = {"a": dict(anchor="x"), "b": dict(anchor="y"), "c": dict(anchor="z", world="junk")}
+    assert [anchor_disagreement(three, d) == "" for d in "xyz"] == [False, False, True]
     # members that sent no digest (or garbage) are not counted
     assert anchor_disagreement({"a": dict(anchor="x"), "b": {}, "c": "junk", "d": dict(anchor=5)}, "x") == ""
 

@@ -456,20 +456,32 @@ def minority_group(gathered: dict, *, group_size: int, target: int) -> int | Non
 
 def anchor_disagreement(gathered: dict, own: str) -> str:
     """Why this member (anchor digest ``own``) must not apply a round whose members gathered these
-    anchor digests ("" when it may): its anchor is not the one most of the group holds, or no anchor
-    is held by more members than any other. Members that sent no digest are not counted."""
-    digests = [g["anchor"] for g in gathered.values() if isinstance(g, dict) and isinstance(g.get("anchor"), str)]
-    counts = collections.Counter(digests)
+    anchor digests ("" when it may): its anchor is not the group's. The group's anchor is the one
+    most of its members hold; where several are held by equally many (a group of two with two
+    anchors), the one whose holders adopted the most world rounds (the newer state), then the
+    greatest digest, so that every member of the group decides alike and one side applies the round
+    while the other takes the region's anchor again. (Without a tie-break both sides of a region of
+    two dropped every round, and each resynced to the other's anchor: a livelock.) Members that sent
+    no digest are not counted."""
+    world_of: dict[str, int] = {}
+    counts: collections.Counter = collections.Counter()
+    for g in gathered.values():
+        if not (isinstance(g, dict) and isinstance(g.get("anchor"), str)):
+            continue
+        counts[g["anchor"]] += 1
+        w = g.get("world")
+        w = w if isinstance(w, int) and not isinstance(w, bool) else -1
+        world_of[g["anchor"]] = max(world_of.get(g["anchor"], -1), w)
     if len(counts) <= 1:
         return ""
-    (top, n), (_, runner_up) = counts.most_common(2)
-    if n == runner_up:
-        return (f"the group's members held {len(counts)} different anchors, none by a majority: the round is "
-                f"not used")
-    if own != top:
-        return (f"this peer's anchor {own} is not the group's ({top}, held by {n} of {len(digests)}): the round "
-                f"is not used here")
-    return ""
+    top = max(counts, key=lambda d: (counts[d], world_of[d], d))
+    if own == top:
+        return ""
+    n, total = counts[top], sum(counts.values())
+    if sum(1 for c in counts.values() if c == n) > 1:
+        return (f"the group's members held {len(counts)} different anchors, none by a majority; the tie went to "
+                f"{top} (its holders adopted {world_of[top]} world round(s)): the round is not used here")
+    return f"this peer's anchor {own} is not the group's ({top}, held by {n} of {total}): the round is not used here"
 
 
 def gathered_tokens(result: RoundResult) -> float:
