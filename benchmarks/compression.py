@@ -26,20 +26,16 @@ Needs ``../shared/data/corpus`` (or ``--corpus-root``). Writes ``--out`` (raw) a
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import statistics
 import sys
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality  # noqa: E402  (the run machinery and the tables' helpers of the quality benchmark)
-from quality import CORPORA_DIR, REPO, SHARED_CORPUS, Budget, Run, geo, peer_ppl, region_ppl, run_one  # noqa: E402
+from quality import REPO, Budget, Run, geo, peer_ppl, region_ppl  # noqa: E402
 
 CODECS = ("none", "fp16", "int8")
 
@@ -65,56 +61,18 @@ def data_parallel_bytes_per_mtok(res: dict, args) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpora", default="related,mixed", help=f"comma-separated, of {', '.join(quality.CORPORA)}")
+    p = quality.study_parser(__doc__.split("\n\n")[0], out=REPO / "benchmarks" / "out" / "compression.json")
     p.add_argument("--codecs", default=",".join(CODECS))
-    p.add_argument("--seeds", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--local-steps", type=int, default=25)
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--eval-tokens", type=int, default=8192)
-    p.add_argument("--corpus-root", type=Path, default=None)
-    p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--workdir", type=Path, default=None, help="keep (and reuse) every run's results here")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "compression.json")
     args = p.parse_args()
-    args.corpora = [c for c in args.corpora.split(",") if c]
     args.codecs = [c for c in args.codecs.split(",") if c]
-    for c in args.corpora:
-        if c not in quality.CORPORA:
-            sys.exit(f"compression.py: error: unknown corpus {c!r} (known: {', '.join(quality.CORPORA)})")
     for c in args.codecs:
         if c not in CODECS:
             sys.exit(f"compression.py: error: unknown codec {c!r} (known: {', '.join(CODECS)})")
     if "none" not in args.codecs:
         sys.exit("compression.py: error: the codecs must include none (the baseline)")
-    root = (args.corpus_root or SHARED_CORPUS).resolve()
-    if not root.is_dir():
-        sys.exit(f"compression.py: error: corpus root {root} is not a directory (give --corpus-root)")
-    args.corpus_root = root
-    os.environ["WORLDLM_CORPUS_ROOT"] = str(root)
-    sys.path.insert(0, str(REPO))
-    from worldlm_p2p.train.corpus import read_grouping
-
-    layouts = {c: {r: [q.name for q in ps] for r, ps in read_grouping(CORPORA_DIR / f"{c}.toml").items()}
-               for c in args.corpora}
-    tmp = None
-    if args.workdir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="worldlm-compression-")
-        workdir = Path(tmp.name)
-    else:
-        workdir = args.workdir
-        workdir.mkdir(parents=True, exist_ok=True)
-    runs = plan(args)
-    print(f"compression benchmark: {len(runs)} runs, {args.jobs} at a time, in {workdir}", flush=True)
+    layouts, workdir, tmp = quality.prepare_study(args, prog="compression.py")
     t0 = time.monotonic()
-    results: dict[Run, dict] = {}
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(run_one, r, args, workdir): r for r in runs}
-        for f in as_completed(futures):
-            results[futures[f]] = f.result()
+    results = quality.run_plan(plan(args), args, workdir, what="compression benchmark")
     lines = [f"Compression benchmark: `python benchmarks/compression.py --corpora {','.join(args.corpora)} "
              f"--seeds {args.seeds} --rounds {args.rounds} --local-steps {args.local_steps}` (model {args.model}, "
              f"batch {args.batch_size} x {args.seq_len}; {time.monotonic() - t0:.0f} s)", ""]
@@ -142,6 +100,8 @@ def main() -> None:
     args.out.write_text(json.dumps(raw, indent=1))
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if tmp is not None:
+        tmp.cleanup()
     if any(not math.isfinite(v) for c in raw.values() for x in c.values() for v in x["ppl"].values()):
         sys.exit(1)
 

@@ -21,68 +21,28 @@ Asserts nothing.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality  # noqa: E402  (the run machinery and the tables' helpers of the quality benchmark)
-from quality import CORPORA_DIR, REPO, SHARED_CORPUS, Budget, Run, geo, peer_ppl, region_ppl, run_one  # noqa: E402
+from quality import REPO, Budget, Run, geo, peer_ppl, region_ppl  # noqa: E402
 
 VARIANTS = {"sync": ("--strategy", "worldlm"), "overlap": ("--strategy", "worldlm", "--overlap")}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpora", default="related,mixed", help=f"comma-separated, of {', '.join(quality.CORPORA)}")
-    p.add_argument("--seeds", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--local-steps", type=int, default=25)
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--eval-tokens", type=int, default=8192)
-    p.add_argument("--corpus-root", type=Path, default=None)
-    p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--workdir", type=Path, default=None, help="keep (and reuse) every run's results here")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "overlap_cost.json")
+    p = quality.study_parser(__doc__.split("\n\n")[0], out=REPO / "benchmarks" / "out" / "overlap_cost.json")
     args = p.parse_args()
-    args.corpora = [c for c in args.corpora.split(",") if c]
-    for c in args.corpora:
-        if c not in quality.CORPORA:
-            sys.exit(f"overlap_cost.py: error: unknown corpus {c!r} (known: {', '.join(quality.CORPORA)})")
-    root = (args.corpus_root or SHARED_CORPUS).resolve()
-    if not root.is_dir():
-        sys.exit(f"overlap_cost.py: error: corpus root {root} is not a directory (give --corpus-root)")
-    os.environ["WORLDLM_CORPUS_ROOT"] = str(root)
-    sys.path.insert(0, str(REPO))
-    from worldlm_p2p.train.corpus import read_grouping
-
-    layouts = {c: {r: [q.name for q in ps] for r, ps in read_grouping(CORPORA_DIR / f"{c}.toml").items()}
-               for c in args.corpora}
-    tmp = None
-    if args.workdir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="worldlm-overlap-")
-        workdir = Path(tmp.name)
-    else:
-        workdir = args.workdir
-        workdir.mkdir(parents=True, exist_ok=True)
+    layouts, workdir, tmp = quality.prepare_study(args, prog="overlap_cost.py")
     budget = Budget("overlap", args.rounds, args.local_steps)
     runs = [Run(c, budget, f"worldlm:{v}", s, flags) for c in args.corpora for v, flags in VARIANTS.items()
             for s in range(args.seeds)]
-    print(f"overlap benchmark: {len(runs)} runs, {args.jobs} at a time, in {workdir}", flush=True)
     t0 = time.monotonic()
-    results: dict[Run, dict] = {}
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(run_one, r, args, workdir): r for r in runs}
-        for f in as_completed(futures):
-            results[futures[f]] = f.result()
+    results = quality.run_plan(runs, args, workdir, what="overlap benchmark")
     lines = [f"Overlap benchmark: `python benchmarks/overlap_cost.py --corpora {','.join(args.corpora)} "
              f"--seeds {args.seeds} --rounds {args.rounds} --local-steps {args.local_steps}` (model {args.model}, "
              f"batch {args.batch_size} x {args.seq_len}; {time.monotonic() - t0:.0f} s)", "",
@@ -105,6 +65,8 @@ def main() -> None:
     args.out.write_text(json.dumps(raw, indent=1))
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if tmp is not None:
+        tmp.cleanup()
 
 
 if __name__ == "__main__":

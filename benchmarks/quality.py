@@ -172,6 +172,66 @@ def run_one(run: Run, args, workdir: Path) -> dict[str, Any]:
     return res
 
 
+# ------------------------------------------------------------------------------ paired studies
+# What the studies that compare variants of the defaults with this machinery share
+# (benchmarks/compression.py, benchmarks/overlap_cost.py): their arguments, the checks, the corpus
+# layouts, the work directory and the pool that runs the plan.
+
+
+def study_parser(description: str, *, out: Path) -> argparse.ArgumentParser:
+    """The arguments every paired study takes (each adds its own)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--corpora", default="related,mixed", help=f"comma-separated, of {', '.join(CORPORA)}")
+    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--local-steps", type=int, default=25)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--eval-tokens", type=int, default=8192)
+    p.add_argument("--corpus-root", type=Path, default=None)
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--workdir", type=Path, default=None, help="keep (and reuse) every run's results here")
+    p.add_argument("--out", type=Path, default=out)
+    return p
+
+
+def prepare_study(args, *, prog: str) -> tuple[dict[str, dict[str, list[str]]], Path, Any]:
+    """Check the corpora and the corpus root (exit with a one-line error), point the runs at the
+    root, and return the corpora's layouts, the work directory and the temporary directory to clean
+    up (None with ``--workdir``). ``args.corpora`` becomes a list."""
+    args.corpora = [c for c in args.corpora.split(",") if c]
+    for c in args.corpora:
+        if c not in CORPORA:
+            sys.exit(f"{prog}: error: unknown corpus {c!r} (known: {', '.join(CORPORA)})")
+    root = (args.corpus_root or SHARED_CORPUS).resolve()
+    if not root.is_dir():
+        sys.exit(f"{prog}: error: corpus root {root} is not a directory (give --corpus-root)")
+    args.corpus_root = root
+    os.environ["WORLDLM_CORPUS_ROOT"] = str(root)
+    sys.path.insert(0, str(REPO))
+    from worldlm_p2p.train.corpus import read_grouping
+
+    layouts = {c: {r: [q.name for q in ps] for r, ps in read_grouping(CORPORA_DIR / f"{c}.toml").items()}
+               for c in args.corpora}
+    if args.workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix=f"worldlm-{Path(prog).stem}-")
+        return layouts, Path(tmp.name), tmp
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    return layouts, args.workdir, None
+
+
+def run_plan(runs: list[Run], args, workdir: Path, *, what: str) -> dict[Run, dict[str, Any]]:
+    """Every run of ``runs``, ``args.jobs`` at a time (those already in ``workdir`` are reused)."""
+    print(f"{what}: {len(runs)} runs, {args.jobs} at a time, in {workdir}", flush=True)
+    results: dict[Run, dict[str, Any]] = {}
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(run_one, r, args, workdir): r for r in runs}
+        for f in as_completed(futures):
+            results[futures[f]] = f.result()
+    return results
+
+
 # ------------------------------------------------------------------------------ tables
 
 
