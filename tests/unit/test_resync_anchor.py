@@ -133,6 +133,9 @@ def test_a_member_whose_anchor_is_not_the_groups_drops_the_round():
     assert anchor_disagreement(dict(reversed(tie.items())), "y") == ""
     newer = {"a": dict(anchor="x", world=4), "b": dict(anchor="y", world=3)}
     assert anchor_disagreement(newer, "x") == "" and "tie went to x" in anchor_disagreement(newer, "y")
+    # ... but first an anchor that a reachable member holds: the other side downloads it
+    behind_nat = {"a": dict(anchor="x", world=4, outbound=True), "b": dict(anchor="y", world=3, outbound=False)}
+    assert anchor_disagreement(behind_nat, "y") == "" and "tie went to y" in anchor_disagreement(behind_nat, "x")
     three = {"a": dict(anchor="x"), "b": dict(anchor="y"), "c": dict(anchor="z", world="junk")}
     assert [anchor_disagreement(three, d) == "" for d in "xyz"] == [False, False, True]
     # members that sent no digest (or garbage) are not counted

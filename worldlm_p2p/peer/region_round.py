@@ -458,23 +458,26 @@ def anchor_disagreement(gathered: dict, own: str) -> str:
     """Why this member (anchor digest ``own``) must not apply a round whose members gathered these
     anchor digests ("" when it may): its anchor is not the group's. The group's anchor is the one
     most of its members hold; where several are held by equally many (a group of two with two
-    anchors), the one whose holders adopted the most world rounds (the newer state), then the
-    greatest digest, so that every member of the group decides alike and one side applies the round
-    while the other takes the region's anchor again. (Without a tie-break both sides of a region of
-    two dropped every round, and each resynced to the other's anchor: a livelock.) Members that sent
-    no digest are not counted."""
+    anchors): one that a member reachable by others holds (the other side takes the region's state
+    again by downloading it, and an outbound-only peer serves none), then the one whose holders
+    adopted the most world rounds (the newer state), then the greatest digest. Every member of the
+    group decides alike, so one side applies the round and the other takes the region's anchor
+    again. (Without a tie-break both sides of a region of two dropped every round, and each resynced
+    to the other's anchor: a livelock.) Members that sent no digest are not counted."""
     world_of: dict[str, int] = {}
+    served: dict[str, bool] = {}
     counts: collections.Counter = collections.Counter()
     for g in gathered.values():
         if not (isinstance(g, dict) and isinstance(g.get("anchor"), str)):
             continue
-        counts[g["anchor"]] += 1
+        d = g["anchor"]
+        counts[d] += 1
         w = g.get("world")
-        w = w if isinstance(w, int) and not isinstance(w, bool) else -1
-        world_of[g["anchor"]] = max(world_of.get(g["anchor"], -1), w)
+        world_of[d] = max(world_of.get(d, -1), w if isinstance(w, int) and not isinstance(w, bool) else -1)
+        served[d] = served.get(d, False) or g.get("outbound") is not True
     if len(counts) <= 1:
         return ""
-    top = max(counts, key=lambda d: (counts[d], world_of[d], d))
+    top = max(counts, key=lambda d: (counts[d], served[d], world_of[d], d))
     if own == top:
         return ""
     n, total = counts[top], sum(counts.values())
