@@ -42,6 +42,17 @@ $Q --budgets long --corpora random,today --ablation-corpora random,today --ablat
    --baselines "" --out "$W/p9b.json"
 $Q --budgets long --corpora scripts --ablation-corpora scripts --ablations mix-z2 --baselines "" \
    --out "$W/p10.json"
+# 11. (2026-12-04) the rest of the long-budget plan: every baseline on every corpus (centralized and
+#     fedper for the first time), and the ablations mix-none, no-residual (both corpora) and K-mean
+#     (mixed), 3 seeds; the runs made before are reused from the work directory
+$Q --budgets long --baselines centralized,fedavg,hierfavg,fedper --ablation-corpora related,mixed \
+   --ablations mix-none,K-mean,no-residual,world-attn --seeds 3 --out "$W/p11.json"
+# 12. (2026-12-04) a tune slice of up to 8192 tokens against the defaults re-run on today's code, long
+#     budget, 3 seeds, in a work directory of its own (the local runs copied from the one above)
+mkdir -p "$W-1204" && cp "$W"/_subcorpora.r40h25.*.local.s*.json "$W-1204"/
+$PY benchmarks/quality.py --workdir "$W-1204" --budgets long --corpora scripts,related,mixed \
+   --ablation-corpora scripts,related,mixed --ablations tune-8k --baselines "" --seeds 3 \
+   --out benchmarks/out/quality-tune8k.json
 # the tables of everything above; the runs of the full plan that were not made are listed as not run
 $Q --report-only --ablation-corpora scripts,related,mixed,today,random \
    --ablations mix-none,K-mean,no-residual,tune-spread,world-full,world-attn,mix-z2,attn-z2,full-z2,attn-full-z2 \

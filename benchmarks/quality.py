@@ -15,7 +15,8 @@ peers, where the key layers' attention acts, and several regions), with 3 seeds,
   inside a region) and ``no-residual`` (no residual-embedding exchange of key layers between
   leaders); on request (``--ablations``) also ``mix-cosine`` (the earlier personal mix by update
   cosine), ``no-mix-world`` (world changes taken whole) ``tune-spread`` (the tune slice in 8
-  pieces spread over the training text instead of its tail) and ``world-full`` (a member may take up
+  pieces spread over the training text instead of its tail), ``tune-8k`` (a tune slice of up to
+  8192 tokens instead of 2048) and ``world-full`` (a member may take up
   to the whole of a world change per round instead of a quarter).
 
 ``local`` does not depend on the grouping (a peer's batch stream is a function of the seed and its
@@ -66,6 +67,7 @@ ABLATIONS = {
     "K-mean": ["--attention", "mean"],
     "no-residual": ["--no-residual"],
     "tune-spread": ["--tune-pieces", "8"],
+    "tune-8k": ["--tune-tokens", "8192"],
     "world-full": ["--mix-world-max", "1"],
     "world-attn": ["--world-target", "attention"],
     "mix-z2": ["--mix-z", "2"],
