@@ -47,6 +47,8 @@ $Q --budgets long --corpora scripts --ablation-corpora scripts --ablations mix-z
 #     (mixed), 3 seeds; the runs made before are reused from the work directory
 $Q --budgets long --baselines centralized,fedavg,hierfavg,fedper --ablation-corpora related,mixed \
    --ablations mix-none,K-mean,no-residual,world-attn --seeds 3 --out "$W/p11.json"
+$Q --budgets long --corpora scripts,related,mixed,random --baselines centralized,fedper,hierfavg --ablations "" \
+   --out "$W/p11b.json"
 # 12. (2026-12-04) a tune slice of up to 8192 tokens against the defaults re-run on today's code, long
 #     budget, 3 seeds, in a work directory of its own (the local runs copied from the one above)
 mkdir -p "$W-1204" && cp "$W"/_subcorpora.r40h25.*.local.s*.json "$W-1204"/
