@@ -26,7 +26,6 @@ Needs ``../shared/data/corpus`` (or ``--corpus-root``). Writes ``--out`` (raw) a
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import sys
@@ -96,12 +95,7 @@ def main() -> None:
             raw.setdefault(c, {})[codec] = dict(ppl=ppl, ratio_to_none=ratios, bytes_per_mtok=b,
                                                 data_parallel_bytes_per_mtok=dp)
         lines.append("")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(raw, indent=1))
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    if tmp is not None:
-        tmp.cleanup()
+    quality.finish_study(args, raw, lines, tmp)
     if any(not math.isfinite(v) for c in raw.values() for x in c.values() for v in x["ppl"].values()):
         sys.exit(1)
 

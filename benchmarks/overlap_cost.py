@@ -21,7 +21,6 @@ Asserts nothing.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -61,12 +60,7 @@ def main() -> None:
         lines.append(f"| {c} | {cell(list(ppl['sync'].values()))} | {cell(list(ppl['overlap'].values()))} | "
                      f"{cell(ratios)} |")
         raw[c] = dict(ppl=ppl, ratio=ratios)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(raw, indent=1))
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    if tmp is not None:
-        tmp.cleanup()
+    quality.finish_study(args, raw, lines, tmp)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,33 @@ def run_one(run: Run, args, workdir: Path) -> dict[str, Any]:
 # layouts, the work directory and the pool that runs the plan.
 
 
+def corpus_layouts(args, *, prog: str) -> dict[str, dict[str, list[str]]]:
+    """Check the corpus root (exit with a one-line error), point the runs at it (``args.corpus_root``
+    and the environment of every run) and return each of ``args.corpora``'s layouts: region ->
+    sub-corpus names."""
+    root = (args.corpus_root or SHARED_CORPUS).resolve()
+    if not root.is_dir():
+        sys.exit(f"{prog}: error: corpus root {root} is not a directory (give --corpus-root)")
+    args.corpus_root = root
+    os.environ["WORLDLM_CORPUS_ROOT"] = str(root)
+    sys.path.insert(0, str(REPO))
+    from worldlm_p2p.train.corpus import read_grouping
+
+    return {c: {r: [q.name for q in ps] for r, ps in read_grouping(CORPORA_DIR / f"{c}.toml").items()}
+            for c in args.corpora}
+
+
+def finish_study(args, raw: dict[str, Any], lines: list[str], tmp) -> None:
+    """Write a paired study's raw results (``--out``) and its table (``.md`` beside it), print the
+    table and remove the temporary work directory (``tmp``, None with ``--workdir``)."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(raw, indent=1))
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if tmp is not None:
+        tmp.cleanup()
+
+
 def study_parser(description: str, *, out: Path) -> argparse.ArgumentParser:
     """The arguments every paired study takes (each adds its own)."""
     p = argparse.ArgumentParser(description=description)
@@ -206,16 +233,7 @@ def prepare_study(args, *, prog: str) -> tuple[dict[str, dict[str, list[str]]], 
     for c in args.corpora:
         if c not in CORPORA:
             sys.exit(f"{prog}: error: unknown corpus {c!r} (known: {', '.join(CORPORA)})")
-    root = (args.corpus_root or SHARED_CORPUS).resolve()
-    if not root.is_dir():
-        sys.exit(f"{prog}: error: corpus root {root} is not a directory (give --corpus-root)")
-    args.corpus_root = root
-    os.environ["WORLDLM_CORPUS_ROOT"] = str(root)
-    sys.path.insert(0, str(REPO))
-    from worldlm_p2p.train.corpus import read_grouping
-
-    layouts = {c: {r: [q.name for q in ps] for r, ps in read_grouping(CORPORA_DIR / f"{c}.toml").items()}
-               for c in args.corpora}
+    layouts = corpus_layouts(args, prog=prog)
     if args.workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix=f"worldlm-{Path(prog).stem}-")
         return layouts, Path(tmp.name), tmp
@@ -494,16 +512,7 @@ def main() -> None:
     unknown = sorted(set(args.ablations) - set(ABLATIONS)) + sorted(set(args.baselines) - set(BASELINES))
     if unknown:
         sys.exit(f"quality.py: error: unknown ablation or baseline {unknown[0]!r}")
-    root = (args.corpus_root or SHARED_CORPUS).resolve()
-    if not root.is_dir():
-        sys.exit(f"quality.py: error: corpus root {root} is not a directory (give --corpus-root)")
-    args.corpus_root = root
-    os.environ["WORLDLM_CORPUS_ROOT"] = str(root)
-    sys.path.insert(0, str(REPO))
-    from worldlm_p2p.train.corpus import read_grouping
-
-    layouts = {c: {r: [p.name for p in ps] for r, ps in read_grouping(CORPORA_DIR / f"{c}.toml").items()}
-               for c in args.corpora}
+    layouts = corpus_layouts(args, prog="quality.py")
     args.peers = {c: sum(len(v) for v in lay.values()) for c, lay in layouts.items()}
     args.peers["_subcorpora"] = len({label for lay in layouts.values() for v in lay.values() for label in v})
     out = args.out or REPO / "benchmarks" / "out" / ("quality-quick.json" if args.quick else "quality.json")
@@ -514,7 +523,7 @@ def main() -> None:
     else:
         workdir = args.workdir
         workdir.mkdir(parents=True, exist_ok=True)
-    union_grouping(list(CORPORA), workdir, root)  # local runs cover every corpus, whichever are asked for
+    union_grouping(list(CORPORA), workdir, args.corpus_root)  # local runs cover every corpus, whichever are asked for
     runs = plan(args)
     not_run = []
     if args.report_only:
