@@ -483,7 +483,7 @@ def anchor_disagreement(gathered: dict, own: str) -> str:
     n, total = counts[top], sum(counts.values())
     if sum(1 for c in counts.values() if c == n) > 1:
         return (f"the group's members held {len(counts)} different anchors, none by a majority; the tie went to "
-                f"{top} (its holders adopted {world_of[top]} world round(s)): the round is not used here")
+                f"{top}: the round is not used here")
     return f"this peer's anchor {own} is not the group's ({top}, held by {n} of {total}): the round is not used here"
 
 
