@@ -99,6 +99,15 @@ class RoundRule:
         return self.strategy.mixes and self.config.mix == "evidence"
 
     @property
+    def personal_key_only(self) -> bool:
+        """True when a member's evidence mix covers only the key layers (``personal_scope="key"``):
+        it adopts the backbone its region agreed on (and the world's change of it) whole, so that
+        every member of the run trains one backbone, and keeps of the agreed key layers only what its
+        tune slice supports (DEPT's localised embeddings, arXiv 2410.05402, with ``key_layers =
+        "embed_head"``)."""
+        return self.evidence and self.localises and self.config.personal_scope == "key"
+
+    @property
     def windowed(self) -> bool:
         """True when the evidence is per-window losses (``mix_z > 0``: the significance test);
         a member's loss function is then the trainer's ``tune_losses``, otherwise ``tune_loss``."""
@@ -251,6 +260,10 @@ def member_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], agreed: Sequence
     ``own`` when already known."""
     if not rule.evidence:
         raise ValueError(f"member_mix is the evidence rule; this rule mixes by {rule.config.mix!r}")
+    if rule.personal_key_only:  # the member adopts the region's backbone and mixes its own key layers
+        own = rule.split.merge([t.detach().clone() for t in rule.split.take_backbone(agreed)],
+                               [t.detach().clone() for t in rule.split.take_key(own)])
+        own_loss = None
     if loss_of is None:
         return [t.detach().clone() for t in own], None
     return mixing.mix_toward(own, agreed, loss_of, grid=EVIDENCE_GRID, own_loss=own_loss, z=rule.config.mix_z)
@@ -266,6 +279,12 @@ def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Se
     search tries at most ``mix_world_max`` of the change (:func:`world_grid`; by default a
     quarter, :data:`WORLD_GRID`)."""
     if rule.evidence and rule.config.mix_world:
+        if rule.personal_key_only:  # the whole change of the backbone, the key layers' by evidence
+            zero_b = [torch.zeros_like(d) for d in rule.split.take_backbone(change)]
+            zero_k = [torch.zeros_like(d) for d in rule.split.take_key(change)]
+            own = mixing.shift(own, rule.split.merge(rule.split.take_backbone(change), zero_k), 1.0)
+            change = rule.split.merge(zero_b, rule.split.take_key(change))
+            own_loss = None
         if loss_of is None:
             return [t.detach().clone() for t in own], None
         return mixing.mix_change(own, change, loss_of, grid=world_grid(rule.config.mix_world_max), own_loss=own_loss,

@@ -136,13 +136,18 @@ def test_group_average_with_codecs_encodes_each_payload_and_the_result():
     assert got[0].tolist() == [1.0, 1.0] and got[1].tolist() == [(3.0 + 1.0 + 2 ** -9) / 2]
 
 
-@pytest.mark.parametrize("codec,bound", [("fp16", 1e-5), ("int8", 2e-3)])
-def test_a_compressed_round_stays_close_to_the_exact_one(codec, bound):
+@pytest.mark.parametrize("codec,mean_bound,max_bound", [("fp16", 5e-6, 1e-4), ("int8", 2e-4, 1e-2)])
+def test_a_compressed_round_stays_close_to_the_exact_one(codec, mean_bound, max_bound):
     anchor, members = _members(seed=5)
-    exact = RoundRule.of(SPLIT, strategy="worldlm", compress_backbone="none", compress_key="none")
-    lossy = RoundRule.of(SPLIT, strategy="worldlm", compress_backbone=codec, compress_key=codec)
+    # members adopt the agreed model (mix none), so that the whole of it is compared
+    exact = RoundRule.of(SPLIT, strategy="worldlm", mix="none", compress_backbone="none", compress_key="none")
+    lossy = RoundRule.of(SPLIT, strategy="worldlm", mix="none", compress_backbone=codec, compress_key=codec)
     want, _ = region_round(exact, members, [1.0, 2.0, 3.0], anchor=anchor, momentum=None)
     got, _ = region_round(lossy, members, [1.0, 2.0, 3.0], anchor=anchor, momentum=None)
     for w, o in zip(want, got):
         for x, y in zip(w, o):
-            assert float((x - y).abs().max()) <= bound  # (changes of 0.01: the codec's error is on them, not on the model)
+            # the codec's error is on the changes (sd 0.01), not on the model: fp16 keeps 11 bits of
+            # them; int8 spends 256 levels on 6 standard deviations, so a step is 2.4e-4 and the few
+            # values beyond 3 sd are clipped (the largest error, under one sd of the change)
+            err = (x - y).abs()
+            assert float(err.mean()) <= mean_bound and float(err.max()) <= max_bound

@@ -147,6 +147,12 @@ def test_region_round_worldlm(form, tau, eps):
     _close(SPLIT.take_key(agreed), k_att, atol=1e-5)
     for k, m in zip(kept, members):
         _close(k, m, atol=0)
+    # with the key-only scope they adopt the agreed backbone and keep their own key layers
+    keyed = _exact(robust="mean", attention=form, tau=tau, eps=eps, personal_scope="key")
+    kept, _, _ = region_round_with_anchor(keyed, members, tokens, anchor=anchor, momentum=None)
+    for k, m in zip(kept, members):
+        _close(SPLIT.take_backbone(k), SPLIT.take_backbone(agreed), atol=0)
+        _close(SPLIT.take_key(k), SPLIT.take_key(m), atol=0)
     # the attention matters here: K is not the plain token-weighted mean (except for the mean form)
     k_mean = weighted_mean([SPLIT.take_key(m) for m in members], tokens)
     assert (form == "mean") == all(torch.allclose(a, b, atol=1e-5) for a, b in zip(k_att, k_mean))
@@ -424,7 +430,7 @@ def test_world_grid_and_the_largest_world_step() -> None:
         return float((params[0] - 1).pow(2).sum())
 
     for max_step, expected in ((0.25, 0.25), (1.0, 1.0)):
-        rule = _exact(robust="mean", strategy="worldlm", mix="evidence", mix_world_max=max_step)
+        rule = _exact(robust="mean", strategy="worldlm", mix="evidence", mix_world_max=max_step, personal_scope="all")
         out, choice = member_world_mix(rule, own=own, change=change, loss_of=loss_of)
         assert choice.lam == expected
         assert torch.allclose(out[0], torch.full((3,), expected))
@@ -605,3 +611,59 @@ def test_a_stale_fedavg_round_keeps_each_members_own_progress():
     mean = [T([2.0, 4.0, 2.0]), torch.full((2, 2), 0.5), T([1.0, 3.0]), torch.ones(2, 3)]  # (x + y) / 2
     _close(ox, [m + d for m, d in zip(mean, dx)])
     _close(oy, [m + d for m, d in zip(mean, dy)])
+
+
+def test_key_only_evidence_mix_adopts_the_agreed_backbone_and_mixes_only_the_key_layers() -> None:
+    from worldlm_p2p.rounds import member_mix
+
+    g = torch.Generator().manual_seed(11)
+    own, agreed = _model(g), _model(g)
+    rule = _exact(robust="mean", mix="evidence", personal_scope="key")
+    assert rule.personal_key_only and not _exact(robust="mean", mix="evidence", personal_scope="all").personal_key_only
+    assert not _exact(robust="mean").personal_key_only  # the shipped default: the whole model
+    assert not _exact(robust="mean", mix="none", personal_scope="key").personal_key_only
+    # a slice that prefers the member's own key layers: it keeps them, and takes the agreed backbone
+    own_k = SPLIT.take_key(own)
+
+    def keeps_own_k(params):
+        return float(sum((p - k).pow(2).sum() for p, k in zip(SPLIT.take_key(params), own_k)))
+
+    out, choice = member_mix(rule, own=own, agreed=agreed, loss_of=keeps_own_k)
+    assert choice.lam == 0.0
+    expected = [agreed[0], own[1], own[2], agreed[3]]  # backbone (0, 3) agreed, key (1, 2) own, bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(out, expected))
+    # a slice that prefers the agreed key layers: the member takes them whole (lam 1)
+    agreed_k = SPLIT.take_key(agreed)
+
+    def wants_agreed_k(params):
+        return float(sum((p - k).pow(2).sum() for p, k in zip(SPLIT.take_key(params), agreed_k)))
+
+    out, choice = member_mix(rule, own=own, agreed=agreed, loss_of=wants_agreed_k)
+    assert choice.lam == 1.0
+    _close(out, agreed)
+    # no tune slice: no evidence, the own key layers on the agreed backbone
+    out, choice = member_mix(rule, own=own, agreed=agreed, loss_of=None)
+    assert choice is None and all(torch.equal(a, b) for a, b in zip(out, expected))
+
+
+def test_key_only_world_mix_takes_the_whole_backbone_change_and_a_searched_share_of_the_key_change() -> None:
+    from worldlm_p2p.rounds import member_world_mix
+
+    own = [torch.zeros(s) for s in SHAPES]
+    change = [torch.full(s, 2.0) for s in SHAPES]
+    rule = _exact(robust="mean", mix="evidence", personal_scope="key")  # mix_world_max 0.25
+
+    def loss_of(params):  # falls all the way towards the whole key change
+        return float(sum((p - 2.0).pow(2).sum() for p in SPLIT.take_key(params)))
+
+    out, choice = member_world_mix(rule, own=own, change=change, loss_of=loss_of, own_loss=123.0)
+    assert choice.lam == 0.25
+    # by hand: backbone 0 + 2 (whole), key layers 0 + 0.25 * 2
+    assert torch.equal(out[0], torch.full((3,), 2.0)) and torch.equal(out[3], torch.full((2, 3), 2.0))
+    assert torch.allclose(out[1], torch.full((2, 2), 0.5)) and torch.allclose(out[2], torch.full((2,), 0.5))
+    # the own loss given was of the model before the backbone change: it was not reused
+    assert choice.own_loss == loss_of([torch.zeros(s) for s in SHAPES])
+    # no slice: the backbone change only
+    out, choice = member_world_mix(rule, own=own, change=change, loss_of=None)
+    assert choice is None
+    assert torch.equal(out[0], torch.full((3,), 2.0)) and torch.equal(out[1], torch.zeros(2, 2))

@@ -258,11 +258,13 @@ def test_worldlm_region_round_equals_the_pure_round(corpus, mix):
             assert max_abs_diff(got[(region, subs[0])], agreed) < 1e-6
         elif mix == "cosine":  # each member keeps its personal mix of its own and the region's update
             assert max_abs_diff(got[(region, subs[0])], got[(region, subs[1])]) > 1e-5
-        else:  # each member keeps own + lam (agreed - own), lam chosen on its own tune slice
+        else:  # each member keeps own + lam (agreed - own), lam chosen on its own tune slice (with
+            # personal_scope "key": the agreed B, and own K + lam (agreed K - own K))
             for p, before, c in zip(peers, pre, choices):
                 lam = results["mixes"][f"{region}/{p.label}"][0]["lam"]
                 assert c.lam == lam and 0.0 <= lam <= 1.0
-                expect = [a + lam * (g - a) for a, g in zip(before, agreed)]
+                key = set(rule.split.key) if rule.personal_key_only else set(range(len(before)))
+                expect = [a + lam * (g - a) if i in key else g for i, (a, g) in enumerate(zip(before, agreed))]
                 assert max_abs_diff(got[(region, p.label)], expect) < 1e-6
                 assert c.loss <= c.own_loss  # never worse on the slice than its own model
     # regions never average with each other
@@ -382,7 +384,10 @@ def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, st
                 lam = results["mixes"][f"{r}/{p.label}"][-1]
                 assert lam["kind"] == "world" and lam["lam"] == choice.lam
                 lams.append(choice.lam)
-                assert max_abs_diff(want, [t + choice.lam * d for t, d in zip(own, delta)]) < 1e-6
+                # (with personal_scope "key": the whole change of B, lam of the change of K)
+                key = set(rule.split.key) if rule.personal_key_only else set(range(len(own)))
+                assert max_abs_diff(want, [t + (choice.lam if i in key else 1.0) * d
+                                           for i, (t, d) in enumerate(zip(own, delta))]) < 1e-6
             else:
                 assert max_abs_diff(want, [t + d for t, d in zip(own, delta)]) < 1e-6
             assert max_abs_diff(got[(r, p.label)], want) < 1e-6, (strategy, r, p.label)

@@ -59,7 +59,7 @@ FLAGS = (
     Flag("aggregation", "tune_pieces", "take the tune slice in this many pieces spread over the training text "
                                        "(1: its tail)"),
     Flag("aggregation", "personal_tau", "temperature of --mix cosine"),
-    Flag("aggregation", "personal_scope", "what --mix cosine covers"),
+    Flag("aggregation", "personal_scope", "what a member's personal mix covers: all, or key (the backbone is adopted whole)"),
     Flag("aggregation", "outer", "outer optimizer"),
     Flag("aggregation", "outer_lr", "outer learning rate"),
     Flag("aggregation", "outer_momentum", "Nesterov momentum"),

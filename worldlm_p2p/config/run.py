@@ -182,8 +182,12 @@ class AggregationConfig:
     - ``tune_pieces``: the tune slice is taken in this many equal pieces spread evenly over the
       training text (each at the end of its share of the stream), so that it samples more than the
       text's last document or two (1: one piece, the tail).
-    - ``personal_tau`` / ``personal_scope``: the temperature and scope (``"all"`` or ``"key"``) of
-      ``mix = "cosine"``.
+    - ``personal_scope``: what a member's personal mix covers. ``"all"`` (the default): the whole
+      model (the member may keep a backbone of its own); ``"key"``: only the key layers, the member
+      adopting the backbone its region agreed on and every world change of it whole, so that all
+      members train one backbone (with ``mix = "evidence"`` the key layers are mixed by evidence, as
+      far as the tune slice supports; :attr:`worldlm_p2p.rounds.RoundRule.personal_key_only`).
+    - ``personal_tau``: the temperature of ``mix = "cosine"``.
     - ``outer`` / ``outer_lr`` / ``outer_momentum``: the outer optimizer applied to the backbone at
       region rounds (:mod:`worldlm_p2p.outer_optim`); ``sgd`` with lr 1 is FedAvg.
     - ``robust`` / ``robust_clip``: how a region's all-reduce (and the leaders') combines what its
