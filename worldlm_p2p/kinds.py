@@ -19,7 +19,7 @@ MixRule = Literal["evidence", "cosine", "none"]
 #: where a worldlm world round moves a region
 WorldTarget = Literal["mean", "attention"]
 #: what the cosine personal mix covers
-PersonalScope = Literal["key", "all"]
+PersonalScope = Literal["key", "all", "parts"]
 #: the outer optimizer of region rounds (:mod:`worldlm_p2p.outer_optim`)
 OuterOptimizer = Literal["sgd", "nesterov"]
 #: how a region's (and the leaders') all-reduce combines its members' payloads (:mod:`worldlm_p2p.robust`)

@@ -81,6 +81,8 @@ class MixChoice:
     loss: float
     own_loss: float
     evaluated: tuple[tuple[float, float], ...]
+    #: with a mix by parts (:func:`mix_parts`): the second part's weight (``lam`` is the first's)
+    second_lam: float | None = None
 
     @property
     def gain(self) -> float:
@@ -214,6 +216,27 @@ def mix_change(own: Sequence[torch.Tensor], change: Sequence[torch.Tensor],
     choice = line_search(lambda lam: loss_of(shift(own, change, lam)), grid=grid, margin=margin, own_loss=own_loss,
                          z=z)
     return shift(own, change, choice.lam), choice
+
+
+def mix_parts(own: Sequence[torch.Tensor], steps: Sequence[Sequence[torch.Tensor]],
+              loss_of: Callable[[list[torch.Tensor]], Loss], *, grids: Sequence[Sequence[float]],
+              margin: float = 0.0, own_loss: Loss | None = None, z: float = 0.0
+              ) -> tuple[list[torch.Tensor], MixChoice]:
+    """The member's next model ``own + lam_1 * step_1 + lam_2 * step_2``, the weights chosen one after
+    the other by :func:`line_search` (``lam_2`` from the model ``lam_1`` gave), each on its own
+    ``grids[i]``; the steps are changes of disjoint parts of the model (say the backbone's and the
+    key layers', the rest of each step zero), so a part that does not help is left as it is while
+    another is taken. The choice: ``lam`` the first weight, ``second_lam`` the second, ``own_loss``
+    the own model's and ``loss`` the final mix's slice loss, ``evaluated`` both searches' points."""
+    if len(steps) != 2 or len(grids) != 2:
+        raise ValueError(f"mix_parts takes two steps and two grids, got {len(steps)} and {len(grids)}")
+    first_model, first = mix_change(own, steps[0], loss_of, grid=grids[0], margin=margin, own_loss=own_loss, z=z)
+    # the first search's best loss is the second's starting point (a mean: with z > 0 the second
+    # search evaluates its own per-window losses again)
+    start = first.loss if z == 0 and math.isfinite(first.loss) else None
+    model, second = mix_change(first_model, steps[1], loss_of, grid=grids[1], margin=margin, own_loss=start, z=z)
+    return model, MixChoice(lam=first.lam, loss=second.loss, own_loss=first.own_loss,
+                            evaluated=first.evaluated + second.evaluated, second_lam=second.lam)
 
 
 def mix_weights(own: Sequence[torch.Tensor], candidates: Mapping[str, Sequence[torch.Tensor]],

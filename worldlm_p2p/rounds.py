@@ -108,6 +108,22 @@ class RoundRule:
         return self.evidence and self.localises and self.config.personal_scope == "key"
 
     @property
+    def mixes_by_part(self) -> bool:
+        """True when a member's evidence mix takes the backbone and the key layers each by its own
+        line search (``personal_scope="parts"``; :func:`worldlm_p2p.mixing.mix_parts`): the backbone
+        first, then the key layers, so that a member can take its region's (and the world's)
+        backbone while it keeps key layers of its own, or the reverse."""
+        return self.evidence and self.localises and self.config.personal_scope == "parts"
+
+    def part_steps(self, change: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """``change`` as two steps of disjoint parts: the backbone's (zeros on K), the key layers'
+        (zeros on B)."""
+        zero_b = [torch.zeros_like(d) for d in self.split.take_backbone(change)]
+        zero_k = [torch.zeros_like(d) for d in self.split.take_key(change)]
+        return [self.split.merge(list(self.split.take_backbone(change)), zero_k),
+                self.split.merge(zero_b, list(self.split.take_key(change)))]
+
+    @property
     def windowed(self) -> bool:
         """True when the evidence is per-window losses (``mix_z > 0``: the significance test);
         a member's loss function is then the trainer's ``tune_losses``, otherwise ``tune_loss``."""
@@ -266,6 +282,10 @@ def member_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], agreed: Sequence
         own_loss = None
     if loss_of is None:
         return [t.detach().clone() for t in own], None
+    if rule.mixes_by_part:
+        change = [a.detach().to(torch.float32) - o.detach().to(torch.float32) for a, o in zip(agreed, own)]
+        return mixing.mix_parts(own, rule.part_steps(change), loss_of, grids=(EVIDENCE_GRID, EVIDENCE_GRID),
+                                own_loss=own_loss, z=rule.config.mix_z)
     return mixing.mix_toward(own, agreed, loss_of, grid=EVIDENCE_GRID, own_loss=own_loss, z=rule.config.mix_z)
 
 
@@ -287,6 +307,10 @@ def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Se
             own_loss = None
         if loss_of is None:
             return [t.detach().clone() for t in own], None
+        if rule.mixes_by_part:
+            grid = world_grid(rule.config.mix_world_max)
+            return mixing.mix_parts(own, rule.part_steps(change), loss_of, grids=(grid, grid), own_loss=own_loss,
+                                    z=rule.config.mix_z)
         return mixing.mix_change(own, change, loss_of, grid=world_grid(rule.config.mix_world_max), own_loss=own_loss,
                                  z=rule.config.mix_z)
     return [t + d.to(t.dtype) for t, d in zip(own, change)], None

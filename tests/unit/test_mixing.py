@@ -185,3 +185,33 @@ def test_line_search_with_per_window_losses_declines_a_gain_within_the_noise():
     calls.clear()
     mixing.line_search(lambda lam: calls.append(lam) or windows(lam), grid=(0.25,), own_loss=1.0, z=0.0)
     assert 0.0 not in calls
+
+
+def test_mix_parts_takes_each_part_as_far_as_it_helps():
+    from worldlm_p2p.mixing import mix_parts
+
+    own = [torch.zeros(2), torch.zeros(3)]
+    steps = [[torch.ones(2), torch.zeros(3)], [torch.zeros(2), torch.ones(3)]]  # part 1, then part 2
+
+    def wants_first(params):  # the first part's whole step helps, any of the second hurts
+        return float((params[0] - 1).pow(2).sum() + params[1].pow(2).sum())
+
+    out, choice = mix_parts(own, steps, wants_first, grids=((0.25, 1.0), (0.25, 1.0)))
+    assert (choice.lam, choice.second_lam) == (1.0, 0.0)
+    assert torch.equal(out[0], torch.ones(2)) and torch.equal(out[1], torch.zeros(3))
+    assert choice.own_loss == 2.0 and choice.loss == 0.0
+
+    def wants_half_of_the_second(params):
+        return float(params[0].pow(2).sum() + (params[1] - 0.5).pow(2).sum())
+
+    out, choice = mix_parts(own, steps, wants_half_of_the_second, grids=((0.25, 1.0), (0.25, 1.0)))
+    # part 1 declined; part 2: 0.25 (loss 0.1875) < 1 (0.75) -> vertex of the parabola through
+    # (0, 0.75), (0.25, 0.1875), (1, 0.75): exactly 0.5
+    assert choice.lam == 0.0 and choice.second_lam == pytest.approx(0.5)
+    assert torch.equal(out[0], torch.zeros(2)) and torch.allclose(out[1], torch.full((3,), 0.5))
+
+    # no part helps: the own model back, bit for bit, both weights 0
+    out, choice = mix_parts(own, steps, lambda p: float(sum(t.pow(2).sum() for t in p)), grids=((1.0,), (1.0,)))
+    assert (choice.lam, choice.second_lam) == (0.0, 0.0) and all(torch.equal(a, b) for a, b in zip(out, own))
+    with pytest.raises(ValueError, match="two steps"):
+        mix_parts(own, steps[:1], wants_first, grids=((1.0,),))

@@ -667,3 +667,44 @@ def test_key_only_world_mix_takes_the_whole_backbone_change_and_a_searched_share
     out, choice = member_world_mix(rule, own=own, change=change, loss_of=None)
     assert choice is None
     assert torch.equal(out[0], torch.full((3,), 2.0)) and torch.equal(out[1], torch.zeros(2, 2))
+
+
+def test_parts_scope_mixes_the_backbone_and_the_key_layers_each_by_evidence() -> None:
+    from worldlm_p2p.rounds import member_mix, member_world_mix
+
+    g = torch.Generator().manual_seed(12)
+    own, agreed = _model(g), _model(g)
+    rule = _exact(robust="mean", mix="evidence", personal_scope="parts")
+    assert rule.mixes_by_part and not rule.personal_key_only
+    own_k, agreed_b = SPLIT.take_key(own), SPLIT.take_backbone(agreed)
+
+    def agreed_b_own_k(params):  # the slice wants the region's backbone with the member's own key layers
+        return float(sum((p - t).pow(2).sum() for p, t in zip(SPLIT.take_backbone(params), agreed_b))
+                     + sum((p - t).pow(2).sum() for p, t in zip(SPLIT.take_key(params), own_k)))
+
+    out, choice = member_mix(rule, own=own, agreed=agreed, loss_of=agreed_b_own_k)
+    assert (choice.lam, choice.second_lam) == (1.0, 0.0)
+    _close(SPLIT.take_backbone(out), agreed_b, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(SPLIT.take_key(out), own_k))
+    # the order of the parts does not decide: a slice that wants the agreed K and the own B gets them
+    own_b, agreed_k = SPLIT.take_backbone(own), SPLIT.take_key(agreed)
+
+    def own_b_agreed_k(params):
+        return float(sum((p - t).pow(2).sum() for p, t in zip(SPLIT.take_backbone(params), own_b))
+                     + sum((p - t).pow(2).sum() for p, t in zip(SPLIT.take_key(params), agreed_k)))
+
+    out, choice = member_mix(rule, own=own, agreed=agreed, loss_of=own_b_agreed_k)
+    assert (choice.lam, choice.second_lam) == (0.0, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(SPLIT.take_backbone(out), own_b))
+    _close(SPLIT.take_key(out), agreed_k, atol=1e-6)
+    # a world change: each part at most mix_world_max (0.25) of its change, as far as it helps
+    zero = [torch.zeros(s) for s in SHAPES]
+    change = [torch.full(s, 2.0) for s in SHAPES]
+    out, choice = member_world_mix(rule, own=zero, change=change,
+                                   loss_of=lambda p: float(sum((t - 2.0).pow(2).sum() for t in SPLIT.take_backbone(p))
+                                                           + sum(t.pow(2).sum() for t in SPLIT.take_key(p))))
+    assert (choice.lam, choice.second_lam) == (0.25, 0.0)
+    assert torch.equal(out[0], torch.full((3,), 0.5)) and torch.equal(out[1], torch.zeros(2, 2))
+    from worldlm_p2p.errors import ConfigError
+    with pytest.raises(ConfigError, match="parts"):
+        _exact(mix="cosine", personal_scope="parts")

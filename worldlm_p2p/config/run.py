@@ -186,7 +186,9 @@ class AggregationConfig:
       model (the member may keep a backbone of its own); ``"key"``: only the key layers, the member
       adopting the backbone its region agreed on and every world change of it whole, so that all
       members train one backbone (with ``mix = "evidence"`` the key layers are mixed by evidence, as
-      far as the tune slice supports; :attr:`worldlm_p2p.rounds.RoundRule.personal_key_only`).
+      far as the tune slice supports; :attr:`worldlm_p2p.rounds.RoundRule.personal_key_only`);
+      ``"parts"`` (``mix = "evidence"`` only): the backbone and the key layers each by its own line
+      search on the tune slice, the backbone first (:func:`worldlm_p2p.mixing.mix_parts`).
     - ``personal_tau``: the temperature of ``mix = "cosine"``.
     - ``outer`` / ``outer_lr`` / ``outer_momentum``: the outer optimizer applied to the backbone at
       region rounds (:mod:`worldlm_p2p.outer_optim`); ``sgd`` with lr 1 is FedAvg.
@@ -273,6 +275,8 @@ class AggregationConfig:
         _require(self.personal_tau >= 0, "aggregation.personal_tau", "must be >= 0")
         _require(self.personal_scope in PERSONAL_SCOPES, "aggregation.personal_scope",
                  f"{self.personal_scope!r} is not one of {', '.join(PERSONAL_SCOPES)}")
+        _require(self.personal_scope != "parts" or self.mix == "evidence", "aggregation.personal_scope",
+                 f"\"parts\" needs mix = \"evidence\" (a line search per part), not mix = {self.mix!r}")
         _require(self.outer in OUTER_OPTIMIZERS, "aggregation.outer",
                  f"{self.outer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
         _require(0 < self.outer_lr <= 2, "aggregation.outer_lr", "must be in (0, 2]")
