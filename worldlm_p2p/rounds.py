@@ -112,7 +112,10 @@ class RoundRule:
         """True when a member's evidence mix takes the backbone and the key layers each by its own
         line search (``personal_scope="parts"``; :func:`worldlm_p2p.mixing.mix_parts`): the backbone
         first, then the key layers, so that a member can take its region's (and the world's)
-        backbone while it keeps key layers of its own, or the reverse."""
+        backbone while it keeps key layers of its own, or the reverse. Of a world change the
+        backbone's may be taken whole (the region's grid: the backbone is what every region shares,
+        and members that keep one backbone average coherent updates), the key layers' at most
+        ``mix_world_max`` (:func:`world_grid`)."""
         return self.evidence and self.localises and self.config.personal_scope == "parts"
 
     def part_steps(self, change: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -307,9 +310,9 @@ def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Se
             own_loss = None
         if loss_of is None:
             return [t.detach().clone() for t in own], None
-        if rule.mixes_by_part:
-            grid = world_grid(rule.config.mix_world_max)
-            return mixing.mix_parts(own, rule.part_steps(change), loss_of, grids=(grid, grid), own_loss=own_loss,
+        if rule.mixes_by_part:  # the shared backbone up to the whole change, the key layers up to mix_world_max
+            return mixing.mix_parts(own, rule.part_steps(change), loss_of,
+                                    grids=(EVIDENCE_GRID, world_grid(rule.config.mix_world_max)), own_loss=own_loss,
                                     z=rule.config.mix_z)
         return mixing.mix_change(own, change, loss_of, grid=world_grid(rule.config.mix_world_max), own_loss=own_loss,
                                  z=rule.config.mix_z)

@@ -697,14 +697,19 @@ def test_parts_scope_mixes_the_backbone_and_the_key_layers_each_by_evidence() ->
     assert (choice.lam, choice.second_lam) == (0.0, 1.0)
     assert all(torch.equal(a, b) for a, b in zip(SPLIT.take_backbone(out), own_b))
     _close(SPLIT.take_key(out), agreed_k, atol=1e-6)
-    # a world change: each part at most mix_world_max (0.25) of its change, as far as it helps
+    # a world change: the backbone's up to the whole of it, the key layers' at most mix_world_max
+    # (0.25), each as far as it helps
     zero = [torch.zeros(s) for s in SHAPES]
     change = [torch.full(s, 2.0) for s in SHAPES]
     out, choice = member_world_mix(rule, own=zero, change=change,
                                    loss_of=lambda p: float(sum((t - 2.0).pow(2).sum() for t in SPLIT.take_backbone(p))
                                                            + sum(t.pow(2).sum() for t in SPLIT.take_key(p))))
-    assert (choice.lam, choice.second_lam) == (0.25, 0.0)
-    assert torch.equal(out[0], torch.full((3,), 0.5)) and torch.equal(out[1], torch.zeros(2, 2))
+    assert (choice.lam, choice.second_lam) == (1.0, 0.0)
+    assert torch.equal(out[0], torch.full((3,), 2.0)) and torch.equal(out[1], torch.zeros(2, 2))
+    out, choice = member_world_mix(rule, own=zero, change=change, loss_of=lambda p: float(
+        sum((t - 2.0).pow(2).sum() for t in p)))  # every part wants the whole change
+    assert (choice.lam, choice.second_lam) == (1.0, 0.25)
+    assert torch.equal(out[3], torch.full((2, 3), 2.0)) and torch.equal(out[2], torch.full((2,), 0.5))
     from worldlm_p2p.errors import ConfigError
     with pytest.raises(ConfigError, match="parts"):
         _exact(mix="cosine", personal_scope="parts")
