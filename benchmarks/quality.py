@@ -297,7 +297,11 @@ def took(res: dict[str, Any]) -> dict[str, dict[str, float]]:
         tops = [max(ws.items(), key=lambda kv: (statistics.fmean(kv[1]), kv[0])) for ws in rounds_w
                 if ws and region not in ws]
         top = max(sorted({g for g, _ in tops}), key=lambda g: sum(1 for x, _ in tops if x == g)) if tops else ""
+        reg_k = [m["key_lam"] for m in mixes if m["kind"] == "region" and "key_lam" in m]
+        wor_k = [m["key_lam"] for m in mixes if m["kind"] == "world" and "key_lam" in m]
         out[region] = {"region_lam": statistics.fmean(reg) if reg else math.nan,
+                       "region_key_lam": statistics.fmean(reg_k) if reg_k else math.nan,
+                       "world_key_lam": statistics.fmean(wor_k) if wor_k else math.nan,
                        "world_lam": statistics.fmean(wor) if wor else math.nan,
                        "world_declined": (sum(1 for x in wor if x == 0) / len(wor)) if wor else math.nan,
                        "self_weight": statistics.fmean(selfw) if selfw else math.nan,
@@ -399,7 +403,8 @@ def corpus_tables(corpus: str, budget: Budget, layout, results: dict[str, dict[i
         lines += ["", "What worldlm's members took (mean over seeds): the interpolation weight chosen on their tune "
                   "slice for the region's model and for the world change, the share of world rounds declined "
                   "(weight 0), the residual attention's weight on the region itself (world target `mean`) or "
-                  "the region the world attention leaned on most and its mean weight (`attention`):", "",
+                  "the region the world attention leaned on most and its mean weight (`attention`); with "
+                  "`personal_scope = \"parts\"` the weights are the backbone's, the key layers' in brackets:", "",
                   "| region | from the region | from the world | world rounds declined | residual self-weight "
                   "| nearest region (weight) |",
                   "|---|---:|---:|---:|---:|---|"]
@@ -409,8 +414,11 @@ def corpus_tables(corpus: str, budget: Budget, layout, results: dict[str, dict[i
                 return f"{statistics.fmean(xs):.3f}" if xs else "-"
             tops = sorted({t[r]["top_partner"] for _, t in took_rows if r in t and t[r].get("top_partner")})
             near = f"{'/'.join(tops)} ({avg('top_weight')})" if tops else "-"
-            lines.append(f"| {r} | {avg('region_lam')} | {avg('world_lam')} | {avg('world_declined')} | {avg('self_weight')} "
-                         f"| {near} |")
+            def with_key(k: str) -> str:
+                key = avg(k.replace("_lam", "_key_lam"))
+                return avg(k) + (f" ({key})" if key != "-" else "")
+            lines.append(f"| {r} | {with_key('region_lam')} | {with_key('world_lam')} | {avg('world_declined')} "
+                         f"| {avg('self_weight')} | {near} |")
     if "worldlm" in summary:
         w = summary["worldlm"]["region_mean"]
         lines += ["", "X against worldlm: the ratio of the region means, and the same ratio paired by seed (the "

@@ -292,6 +292,14 @@ def member_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], agreed: Sequence
     return mixing.mix_toward(own, agreed, loss_of, grid=EVIDENCE_GRID, own_loss=own_loss, z=rule.config.mix_z)
 
 
+def mix_parts_record(rule: RoundRule, choice: mixing.MixChoice | None) -> dict[str, float]:
+    """What a mix record adds with ``personal_scope="parts"``: ``key_lam``, the key layers' weight
+    (``lam`` is then the backbone's); nothing otherwise."""
+    if not rule.mixes_by_part:
+        return {}
+    return {"key_lam": float(choice.second_lam) if choice is not None and choice.second_lam is not None else 0.0}
+
+
 def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Sequence[torch.Tensor],
                      loss_of: LossOf | None, own_loss: float | None = None
                      ) -> tuple[list[torch.Tensor], mixing.MixChoice | None]:

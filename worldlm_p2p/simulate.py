@@ -38,7 +38,7 @@ from worldlm_p2p.aggregation import allreduce_traffic, max_round_weight, round_w
 from worldlm_p2p.config import AggregationConfig, ModelConfig, PrivacyConfig, TokenizerSpec, TrainConfig, _require
 from worldlm_p2p.errors import ConfigError, DataError
 from worldlm_p2p.privacy import BorderAccountant
-from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, member_world_mix,
+from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, member_world_mix, mix_parts_record,
                                payload_codecs, region_payload, region_round_with_anchor, stale_apply, world_round)
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.strategies import strategy as strategy_of
@@ -225,7 +225,8 @@ class Simulator:
                     p.tune_loss = c.loss if c is not None and not overlap else None
                     if c is not None or (rule.evidence and len(members) > 1):  # no slice: took nothing
                         p.mixes.append(dict(round=self._round, kind="region", lam=c.lam if c else 0.0,
-                                            gain=c.gain if c and math.isfinite(c.gain) else 0.0))
+                                            gain=c.gain if c and math.isfinite(c.gain) else 0.0,
+                                            **mix_parts_record(rule, c)))
             for p, own, tensors in zip(members, params, new):
                 if overlap:  # (the mixing search left trial parameters in the model)
                     self._pending[p.key] = (own, tensors)
@@ -319,7 +320,8 @@ class Simulator:
                 set_params(p.model, model)
                 if rule.evidence and rule.config.mix_world:
                     p.mixes.append(dict(round=index, kind="world", lam=choice.lam if choice else 0.0,
-                                        gain=choice.gain if choice and math.isfinite(choice.gain) else 0.0))
+                                        gain=choice.gain if choice and math.isfinite(choice.gain) else 0.0,
+                                        **mix_parts_record(rule, choice)))
                 p.tokens_since_world = 0
         self.world_rounds.append(dict(round=index, weights=result.weights, fetched=result.fetched,
                                       **(dict(released=released) if released else {})))

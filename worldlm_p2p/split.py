@@ -5,10 +5,14 @@ WorldLM (arXiv 2405.14446) localises "key layers" per sub-federation and shares 
 layers are key is a choice (the paper does not pin it down, see ``shared/reference/papers.md``);
 the presets below are the ones the quality benchmark compares:
 
+- ``embed_head``: the token embeddings and the LM head (DEPT, arXiv 2410.05402, localises these);
+  the default since the quality study of 2026-12-04 (``benchmarks/RESULTS.md``): with members
+  mixing the backbone and K each by evidence (``personal_scope = "parts"``) every peer trains one
+  transformer body and keeps token embeddings of its own, which beat ``kv`` on every corpus and
+  at both budgets of the study;
 - ``kv``: the attention key and value projections of every block (the design doc's default);
 - ``last30``: every parameter of the last 30% of the transformer blocks (the reference spec's
-  default, rounded up to at least one block);
-- ``embed_head``: the token embeddings and the LM head (DEPT, arXiv 2410.05402, localises these).
+  default, rounded up to at least one block).
 
 Custom selections are comma-separated ``fnmatch`` patterns on parameter names, e.g.
 ``"*.self_attn.k_proj.weight,*.mlp.down_proj.weight"``.

@@ -231,6 +231,15 @@ def _sim_models(sim: Simulator) -> dict[tuple[str, str], list[torch.Tensor]]:
     return {(p.region, p.label): get_flat_params(p.model) for p in sim.peers}
 
 
+def _part_weights(rule, record) -> tuple[float, float]:
+    """(weight of B, weight of K) of a member's mix record, by the rule's personal scope."""
+    if rule.mixes_by_part:
+        return record["lam"], record["key_lam"]
+    if rule.personal_key_only:
+        return 1.0, record["lam"]
+    return record["lam"], record["lam"]
+
+
 @pytest.mark.parametrize("mix", ["evidence", "cosine", "none"])
 def test_worldlm_region_round_equals_the_pure_round(corpus, mix):
     """One round: every peer H steps alone, then ``rounds.region_round`` per region. With evidence
@@ -258,13 +267,15 @@ def test_worldlm_region_round_equals_the_pure_round(corpus, mix):
             assert max_abs_diff(got[(region, subs[0])], agreed) < 1e-6
         elif mix == "cosine":  # each member keeps its personal mix of its own and the region's update
             assert max_abs_diff(got[(region, subs[0])], got[(region, subs[1])]) > 1e-5
-        else:  # each member keeps own + lam (agreed - own), lam chosen on its own tune slice (with
-            # personal_scope "key": the agreed B, and own K + lam (agreed K - own K))
+        else:  # each member keeps own + lam (agreed - own), lam chosen on its own tune slice, per part:
+            # personal_scope "parts" (the default): lam for B and key_lam for K; "key": the agreed B
+            # and lam for K; "all": one lam
             for p, before, c in zip(peers, pre, choices):
-                lam = results["mixes"][f"{region}/{p.label}"][0]["lam"]
-                assert c.lam == lam and 0.0 <= lam <= 1.0
-                key = set(rule.split.key) if rule.personal_key_only else set(range(len(before)))
-                expect = [a + lam * (g - a) if i in key else g for i, (a, g) in enumerate(zip(before, agreed))]
+                rec = results["mixes"][f"{region}/{p.label}"][0]
+                assert c.lam == rec["lam"] and 0.0 <= rec["lam"] <= 1.0
+                wb, wk = _part_weights(rule, rec)
+                key = set(rule.split.key)
+                expect = [a + (wk if i in key else wb) * (g - a) for i, (a, g) in enumerate(zip(before, agreed))]
                 assert max_abs_diff(got[(region, p.label)], expect) < 1e-6
                 assert c.loss <= c.own_loss  # never worse on the slice than its own model
     # regions never average with each other
@@ -381,12 +392,12 @@ def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, st
             own = get_flat_params(p.model)
             want, choice = member_world_mix(rule, own=own, change=delta, loss_of=p.loss_of)
             if rule.evidence:
-                lam = results["mixes"][f"{r}/{p.label}"][-1]
-                assert lam["kind"] == "world" and lam["lam"] == choice.lam
+                rec = results["mixes"][f"{r}/{p.label}"][-1]
+                assert rec["kind"] == "world" and rec["lam"] == choice.lam
                 lams.append(choice.lam)
-                # (with personal_scope "key": the whole change of B, lam of the change of K)
-                key = set(rule.split.key) if rule.personal_key_only else set(range(len(own)))
-                assert max_abs_diff(want, [t + (choice.lam if i in key else 1.0) * d
+                wb, wk = _part_weights(rule, rec)
+                key = set(rule.split.key)
+                assert max_abs_diff(want, [t + (wk if i in key else wb) * d
                                            for i, (t, d) in enumerate(zip(own, delta))]) < 1e-6
             else:
                 assert max_abs_diff(want, [t + d for t, d in zip(own, delta)]) < 1e-6

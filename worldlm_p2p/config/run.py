@@ -154,7 +154,8 @@ class AggregationConfig:
       then world mean of everything), ``fedper`` (world mean of B, K per peer), ``local``;
       ``centralized`` exists only in the simulator.
     - ``key_layers``: which parameters are K: a preset of :data:`worldlm_p2p.split.KEY_LAYER_PRESETS`
-      or comma-separated ``fnmatch`` patterns.
+      (``embed_head``, the default: the token embeddings and the LM head, as DEPT localises them,
+      arXiv 2410.05402; ``kv``; ``last30``) or comma-separated ``fnmatch`` patterns.
     - ``attention`` / ``tau`` / ``eps``: the K rule inside a region (:mod:`worldlm_p2p.attention`).
     - ``world_every``: a world round after every M-th region round (``worldlm`` and ``hierfavg``).
     - ``residual`` / ``residual_dim`` / ``residual_tau`` / ``residual_beta``: cross-region sharing of
@@ -182,13 +183,14 @@ class AggregationConfig:
     - ``tune_pieces``: the tune slice is taken in this many equal pieces spread evenly over the
       training text (each at the end of its share of the stream), so that it samples more than the
       text's last document or two (1: one piece, the tail).
-    - ``personal_scope``: what a member's personal mix covers. ``"all"`` (the default): the whole
-      model (the member may keep a backbone of its own); ``"key"``: only the key layers, the member
-      adopting the backbone its region agreed on and every world change of it whole, so that all
-      members train one backbone (with ``mix = "evidence"`` the key layers are mixed by evidence, as
-      far as the tune slice supports; :attr:`worldlm_p2p.rounds.RoundRule.personal_key_only`);
-      ``"parts"`` (``mix = "evidence"`` only): the backbone and the key layers each by its own line
-      search on the tune slice, the backbone first (:func:`worldlm_p2p.mixing.mix_parts`).
+    - ``personal_scope``: what a member's personal mix covers. ``"parts"`` (the default): the
+      backbone and the key layers each by its own line search on the tune slice, the backbone first
+      (:func:`worldlm_p2p.mixing.mix_parts`), so that a member can take the backbone every member
+      trains while it keeps key layers of its own; of a world change the backbone's part up to the
+      whole, the key layers' up to ``mix_world_max``. ``"all"``: one weight for the whole model.
+      ``"key"``: only the key layers, the member adopting the backbone its region agreed on and
+      every world change of it whole (:attr:`worldlm_p2p.rounds.RoundRule.personal_key_only`). With
+      ``mix = "cosine"``, whose mix is per tensor, ``"parts"`` is ``"all"``.
     - ``personal_tau``: the temperature of ``mix = "cosine"``.
     - ``outer`` / ``outer_lr`` / ``outer_momentum``: the outer optimizer applied to the backbone at
       region rounds (:mod:`worldlm_p2p.outer_optim`); ``sgd`` with lr 1 is FedAvg.
@@ -217,7 +219,7 @@ class AggregationConfig:
     """
 
     strategy: StrategyName = "worldlm"
-    key_layers: str = "kv"
+    key_layers: str = "embed_head"
     attention: AttentionForm = "distance"
     tau: float = 0.1
     eps: float = 1.0
@@ -235,7 +237,7 @@ class AggregationConfig:
     tune_tokens: int = 2048
     tune_pieces: int = 1
     personal_tau: float = 0.1
-    personal_scope: PersonalScope = "all"
+    personal_scope: PersonalScope = "parts"
     outer: OuterOptimizer = "sgd"
     outer_lr: float = 1.0  # 1.0 with sgd = plain FedAvg: adopt the averaged model
     outer_momentum: float = 0.9  # nesterov only
@@ -275,8 +277,6 @@ class AggregationConfig:
         _require(self.personal_tau >= 0, "aggregation.personal_tau", "must be >= 0")
         _require(self.personal_scope in PERSONAL_SCOPES, "aggregation.personal_scope",
                  f"{self.personal_scope!r} is not one of {', '.join(PERSONAL_SCOPES)}")
-        _require(self.personal_scope != "parts" or self.mix == "evidence", "aggregation.personal_scope",
-                 f"\"parts\" needs mix = \"evidence\" (a line search per part), not mix = {self.mix!r}")
         _require(self.outer in OUTER_OPTIMIZERS, "aggregation.outer",
                  f"{self.outer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
         _require(0 < self.outer_lr <= 2, "aggregation.outer_lr", "must be in (0, 2]")

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from worldlm_p2p.rounds import RoundRule
+from worldlm_p2p.rounds import RoundRule, mix_parts_record
 from worldlm_p2p.train import LocalTrainer, SliceEvaluator, get_flat_params, set_params
 
 from worldlm_p2p.peer.stats import PeerStats
@@ -59,8 +59,10 @@ class Member:
     def record_mix(self, kind: str, index: int, choice) -> None:
         lam = choice.lam if choice is not None else 0.0
         gain = choice.gain if choice is not None and math.isfinite(choice.gain) else 0.0
-        self.stats.mixes.append(dict(kind=kind, round=int(index), step=self.stats.step, lam=lam, gain=gain))
-        logger.info("%s round %d: took %.3g of the %s (tune-slice loss %.4f -> %.4f)", kind, index, lam,
+        parts = mix_parts_record(self.rule, choice)
+        self.stats.mixes.append(dict(kind=kind, round=int(index), step=self.stats.step, lam=lam, gain=gain, **parts))
+        logger.info("%s round %d: took %.3g of the %s%s (tune-slice loss %.4f -> %.4f)", kind, index, lam,
                     "region's agreed model" if kind == "region" else "world's change",
+                    f" (backbone; key layers {parts['key_lam']:.3g})" if parts else "",
                     choice.own_loss if choice is not None else float("nan"),
                     choice.loss if choice is not None else float("nan"))
