@@ -55,7 +55,31 @@ mkdir -p "$W-1204" && cp "$W"/_subcorpora.r40h25.*.local.s*.json "$W-1204"/
 $PY benchmarks/quality.py --workdir "$W-1204" --budgets long --corpora scripts,related,mixed \
    --ablation-corpora scripts,related,mixed --ablations tune-8k --baselines "" --seeds 3 \
    --out benchmarks/out/quality-tune8k.json
-# the tables of everything above; the runs of the full plan that were not made are listed as not run
+# 13. (2026-12-04, third session) the new defaults: K = the token embeddings and LM head, members mix
+#     the backbone and K each by evidence (personal_scope = "parts"), in a work directory of its own:
+#     worldlm 3 seeds at both budgets (today at the long one: 1 seed), fedper (whose K is the new
+#     default too) 1 seed, the previous defaults (kv-all) and adopting the backbone whole (key-only)
+#     as ablations, K attention against a plain mean and the residual exchange on related and mixed;
+#     local, centralized, fedavg and hierfavg do not depend on K and are copied from the runs above
+#     (the local runs of the long budget from the 2026-12-04 re-run)
+D="$W-dept"; mkdir -p "$D"
+cp -n "$W"/_subcorpora.toml "$W"/_subcorpora.r6h10.*.local.s*.json "$W-1204"/_subcorpora.r40h25.*.local.s*.json "$D"/
+for v in centralized fedavg hierfavg; do cp -n "$W"/*."$v".s0.json "$D"/ 2>/dev/null || true; done
+for f in "$W"/*.worldlm.s[0-2].json "$W-1204"/*.worldlm.s[0-2].json; do  # the previous defaults, as kv-all
+  b=$(basename "$f"); cp "$f" "$D/${b%.worldlm.s*.json}.worldlm_kv-all.${b##*.worldlm.}"
+done
+$PY benchmarks/quality.py --workdir "$D" --budgets short --baselines fedper --ablation-corpora scripts,related,mixed,today,random \
+   --ablations kv-all,key-only --out "$D/p13.json"
+$PY benchmarks/quality.py --workdir "$D" --budgets long --corpora scripts,related,mixed,random --baselines fedper \
+   --ablation-corpora scripts,related,mixed,random --ablations kv-all --out "$D/p13b.json"
+$PY benchmarks/quality.py --workdir "$D" --budgets long --corpora related,mixed --baselines "" \
+   --ablation-corpora related,mixed --ablations K-mean,no-residual --out "$D/p13c.json"
+$PY benchmarks/quality.py --workdir "$D" --budgets long --corpora today --seeds 1 --baselines "" --ablations "" \
+   --out "$D/p13d.json"
+$PY benchmarks/quality.py --workdir "$D" --report-only --baselines centralized,fedavg,hierfavg,fedper \
+   --ablation-corpora scripts,related,mixed,today,random --ablations kv-all,key-only,K-mean,no-residual \
+   --out benchmarks/out/quality-dept.json
+# the tables of everything above (the previous defaults); the runs of the full plan that were not made are listed as not run
 $Q --report-only --ablation-corpora scripts,related,mixed,today,random \
    --ablations mix-none,K-mean,no-residual,tune-spread,world-full,world-attn,mix-z2,attn-z2,full-z2,attn-full-z2 \
    --out benchmarks/out/quality.json

@@ -71,6 +71,9 @@ ABLATIONS = {
     "world-full": ["--mix-world-max", "1"],
     "world-attn": ["--world-target", "attention"],
     "mix-z2": ["--mix-z", "2"],
+    # the defaults before 2026-12-04's study: K = k_proj/v_proj, one mixing weight for the whole model
+    "kv-all": ["--key-layers", "kv", "--personal-scope", "all"],
+    "key-only": ["--personal-scope", "key"],  # members adopt the backbone whole, mix K by evidence
     "attn-z2": ["--world-target", "attention", "--mix-z", "2"],
     "full-z2": ["--mix-world-max", "1", "--mix-z", "2"],
     "attn-full-z2": ["--world-target", "attention", "--mix-world-max", "1", "--mix-z", "2"],
