@@ -180,15 +180,29 @@ def round_diagnosis(group: list[dict]) -> str:
     return "; ".join(rows)
 
 
+def mixed_by_evidence(rule, pre, target, *, lam, key_lam) -> list:
+    """``pre + w (target - pre)`` per tensor, with the weights a member's trace records by the
+    rule's personal scope: ``"parts"``, ``lam`` on the backbone and ``key_lam`` on K; ``"key"``, the
+    target's backbone and ``lam`` on K; ``"all"``, ``lam`` everywhere (a missing weight: 0)."""
+    lam, key_lam = float(lam or 0.0), float(key_lam or 0.0)
+    key = set(rule.split.key)
+    if rule.mixes_by_part:
+        w = [key_lam if i in key else lam for i in range(len(pre))]
+    elif rule.personal_key_only:
+        w = [lam if i in key else 1.0 for i in range(len(pre))]
+    else:
+        w = [lam] * len(pre)
+    return [(p.double() + x * (q.double() - p.double())).to(p.dtype) for p, q, x in zip(pre, target, w)]
+
+
 def round_error(group: list[dict], rule=None) -> float:
     """Largest distance between a member's post-round model and what the pure round function
     (:func:`worldlm_p2p.rounds.region_round_with_anchor`) computes centrally from the members'
     pre-round models, weights and common anchor (0 when the all-reduce delivered every part to every
     member); for an overlapped round (``current`` in the trace: the model when the result was
-    applied), that result plus the progress made meanwhile (:func:`worldlm_p2p.rounds.stale_apply`). With evidence mixing, a member keeps ``pre + lam (agreed - pre)`` with the ``lam`` it
-    chose on its own tune slice (in its trace; the choice itself is the simulator tests' subject),
+    applied), that result plus the progress made meanwhile (:func:`worldlm_p2p.rounds.stale_apply`). With evidence mixing, a member keeps ``pre + lam (agreed - pre)`` with the weights it
+    chose on its own tune slice, per part (:func:`mixed_by_evidence`) (in its trace; the choice itself is the simulator tests' subject),
     and its agreed model must be the central one too."""
-    from worldlm_p2p.mixing import interpolate
     from worldlm_p2p.rounds import region_round_with_anchor, stale_apply
 
     rule = rule or round_rule()
@@ -197,7 +211,7 @@ def round_error(group: list[dict], rule=None) -> float:
     errors = []
     for t, ref in zip(group, refs):
         if rule.evidence:
-            ref = interpolate(t["pre"], agreed, float(t.get("mix_lam") or 0.0))
+            ref = mixed_by_evidence(rule, t["pre"], agreed, lam=t.get("mix_lam"), key_lam=t.get("mix_key_lam"))
             if t.get("agreed") is not None:
                 errors.append(max_abs_diff(t["agreed"], agreed))
         if t.get("current") is not None:  # an overlapped round: applied one round stale

@@ -274,9 +274,12 @@ def member_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], agreed: Sequence
                ) -> tuple[list[torch.Tensor], mixing.MixChoice | None]:
     """With ``mix="evidence"``: the member's next model after a region round, its own model moved
     towards the region's agreed model as far as its tune-slice loss ``loss_of`` supports
-    (:func:`worldlm_p2p.mixing.mix_toward`), and the choice. A member without a tune slice
-    (``loss_of`` None) has no evidence and keeps its own model. ``own_loss``: the slice loss of
-    ``own`` when already known."""
+    (:func:`worldlm_p2p.mixing.mix_toward`), and the choice. By ``personal_scope``: one weight for
+    the whole model (``"all"``), one for the backbone and then one for the key layers (``"parts"``,
+    the default; :func:`worldlm_p2p.mixing.mix_parts`), or the agreed backbone whole and a weight
+    for the key layers (``"key"``). A member without a tune slice (``loss_of`` None) has no evidence
+    and keeps its own model (with ``"key"``: its own key layers on the agreed backbone).
+    ``own_loss``: the slice loss of ``own`` when already known."""
     if not rule.evidence:
         raise ValueError(f"member_mix is the evidence rule; this rule mixes by {rule.config.mix!r}")
     if rule.personal_key_only:  # the member adopts the region's backbone and mixes its own key layers
@@ -308,14 +311,12 @@ def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Se
     ``mix_world`` the member adds ``lam * change``, ``lam`` from its tune slice (no slice: 0);
     otherwise the whole change (rebasing: the local progress made meanwhile is kept). The evidence
     search tries at most ``mix_world_max`` of the change (:func:`world_grid`; by default a
-    quarter, :data:`WORLD_GRID`)."""
+    quarter, :data:`WORLD_GRID`); with ``personal_scope="parts"`` that bounds the key layers' part,
+    and the backbone's may be taken whole; with ``"key"`` the backbone's part is added whole."""
     if rule.evidence and rule.config.mix_world:
         if rule.personal_key_only:  # the whole change of the backbone, the key layers' by evidence
-            zero_b = [torch.zeros_like(d) for d in rule.split.take_backbone(change)]
-            zero_k = [torch.zeros_like(d) for d in rule.split.take_key(change)]
-            own = mixing.shift(own, rule.split.merge(rule.split.take_backbone(change), zero_k), 1.0)
-            change = rule.split.merge(zero_b, rule.split.take_key(change))
-            own_loss = None
+            backbone_step, change = rule.part_steps(change)
+            own, own_loss = mixing.shift(own, backbone_step, 1.0), None
         if loss_of is None:
             return [t.detach().clone() for t in own], None
         if rule.mixes_by_part:  # the shared backbone up to the whole change, the key layers up to mix_world_max

@@ -419,7 +419,8 @@ class RegionRound:
             logger.warning("round %d: all-reduce failed (%s); keeping the local model", s.round, result.error)
         self.trace(f"round-{s.round:05d}", dict(ok=result.ok, weight=a.weight, pre=a.pre, anchor=a.anchor,
                                                 agreed=self.state.anchor if result.ok else None,
-                                                mix_lam=mix.lam if mix is not None else None, current=current,
+                                                mix_lam=mix.lam if mix is not None else None,
+                                                mix_key_lam=mix.second_lam if mix is not None else None, current=current,
                                                 gathered=result.gathered, post=self.member.params(), lost=lost))
         if not result.ok:
             return Outcome.FAILED

@@ -270,7 +270,8 @@ class WorldRounds:
         self.server.publish()
         self.trace(f"world-{known.world_round:05d}", dict(
             delta=known.delta, world_round=known.world_round, anchor=self.state.anchor, round=s.round,
-            leader=known.source, before=params, after=adopted, mix_lam=mix.lam if mix is not None else None))
+            leader=known.source, before=params, after=adopted, mix_lam=mix.lam if mix is not None else None,
+            mix_key_lam=mix.second_lam if mix is not None else None))
         self.events.emit("world_adopted", world_round=known.world_round, round=s.round,
                          lam=mix.lam if mix is not None else None)
         logger.info("adopted world round %d at region round %d", known.world_round, s.round)
