@@ -138,8 +138,11 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path):
         # if not, say whether the swarm's round at least equals the pure round of its own inputs
         assert err < 1e-5, (label, err, f"swarm vs rounds.region_round on its own inputs: {round_error(group):.2e}")
         assert max_abs_diff(t["agreed"], t["pre"]) > 1e-4  # the round did change the region's model
-        # each member kept pre + lam (agreed - pre), lam chosen on its tune slice as in the simulator
-        assert t["mix_lam"] == pytest.approx(results["mixes"][f"{REGION}/{label}"][0]["lam"], abs=1e-6), label
+        # each member kept pre + lam (agreed - pre) per part (the backbone's lam, then the key
+        # layers'), each chosen on its tune slice as in the simulator
+        rec = results["mixes"][f"{REGION}/{label}"][0]
+        assert t["mix_lam"] == pytest.approx(rec["lam"], abs=1e-6), label
+        assert t["mix_key_lam"] == pytest.approx(rec["key_lam"], abs=1e-6), label
     # and the held-out loss each peer measured at exit is the simulator's
     for label in SUBS:
         swarm, simulated = sums[label]["valid_loss"], results["peers"][f"{REGION}/{label}"]["loss"]
