@@ -59,7 +59,9 @@ FLAGS = (
     Flag("aggregation", "tune_pieces", "take the tune slice in this many pieces spread over the training text "
                                        "(1: its tail)"),
     Flag("aggregation", "personal_tau", "temperature of --mix cosine"),
-    Flag("aggregation", "personal_scope", "what a member's personal mix covers: all, or key (the backbone is adopted whole)"),
+    Flag("aggregation", "personal_scope", "what a member's evidence mix covers: parts (the backbone and K each "
+                                          "by its own weight; default), all (one weight) or key (the backbone "
+                                          "adopted whole)"),
     Flag("aggregation", "outer", "outer optimizer"),
     Flag("aggregation", "outer_lr", "outer learning rate"),
     Flag("aggregation", "outer_momentum", "Nesterov momentum"),
