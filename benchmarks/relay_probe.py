@@ -1,0 +1,115 @@
+#!/usr/bin/env python
+"""Can two peers behind two NAT routers average through a libp2p circuit relay? A probe, below the
+product: bare hivemind DHT nodes and ``DecentralizedAverager`` s in the simulated internet of
+:mod:`netns_internet`.
+
+The bootstrap host runs a plain hivemind DHT node (its p2p daemon relays by default). Each NATed
+host starts a DHT client node whose daemon asks for a relay slot (``use_auto_relay``, reachability
+forced private: the daemon's own AutoNAT never concludes it on this topology), waits until its
+announced addresses include a ``/p2p-circuit`` one, and then both average ``--floats`` numbers
+``--steps`` times: ``home1`` as a full member (it reduces), ``home2`` in client mode. ``home1``
+holds 3.0, ``home2`` 1.0: an all-reduce that moved both parts gives 2.0 on both.
+
+    sudo python benchmarks/relay_probe.py [--floats 1000] [--steps 3] [--timeout 7] [--part-bytes 524288]
+
+Needs root, iproute2 and iptables. Prints, per host, when its relayed address appeared (seconds
+after its daemon started) and each step's outcome; asserts nothing. What it found is in
+``benchmarks/RESULTS.md`` (internet section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BOOT_PORT, PORT = 31337, 31338
+
+
+def _boot() -> None:
+    import hivemind
+
+    dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/0.0.0.0/tcp/{BOOT_PORT}"],
+                       announce_maddrs=[f"/ip4/{sys.argv[3]}/tcp/{BOOT_PORT}"])
+    print(" ".join(str(m) for m in dht.get_visible_maddrs()), flush=True)
+    time.sleep(3600)
+
+
+def _home(role: str, floats: int, steps: int, timeout: float, part_bytes: int, boot: list[str]) -> None:
+    import hivemind
+    import torch
+    from hivemind.averaging import DecentralizedAverager
+
+    t0 = time.monotonic()
+    dht = hivemind.DHT(start=True, initial_peers=boot, client_mode=True, use_relay=True, use_auto_relay=True,
+                       force_reachability="private", host_maddrs=[f"/ip4/0.0.0.0/tcp/{PORT}"])
+    while True:
+        circuit = [str(m) for m in dht.get_visible_maddrs(latest=True) if "/p2p-circuit" in str(m)]
+        if circuit or time.monotonic() - t0 > 420:
+            break
+        time.sleep(2.0)
+    print(f"{role}: relayed address after {time.monotonic() - t0:.1f} s: {circuit or 'none'}", flush=True)
+    client = role == "home2"
+    averager = DecentralizedAverager([torch.full((floats,), 1.0 if client else 3.0)], dht, prefix="probe",
+                                     target_group_size=2, min_matchmaking_time=3.0, request_timeout=1.0,
+                                     allreduce_timeout=3 * timeout, sender_timeout=timeout,
+                                     reducer_timeout=2 * timeout, next_chunk_timeout=timeout, client_mode=client,
+                                     part_size_bytes=part_bytes, start=True)
+    for i in range(steps):
+        t1 = time.monotonic()
+        try:
+            group = averager.step(timeout=4 * timeout + 30)
+            with averager.get_tensors() as tensors:
+                mean = float(tensors[0].mean())
+            print(f"{role}: step {i}: group of {len(group) if group else 0}, mean {mean:.3f} "
+                  f"({'both parts' if abs(mean - 2.0) < 1e-3 else 'a part missing'}), {time.monotonic() - t1:.1f} s",
+                  flush=True)
+        except Exception as e:
+            print(f"{role}: step {i}: failed after {time.monotonic() - t1:.1f} s: {type(e).__name__}: {e}", flush=True)
+    averager.shutdown()
+    dht.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--floats", type=int, default=1000, help="numbers each peer averages (float32)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=7.0,
+                    help="seconds a sender or the next chunk may take (the all-reduce gets three times that)")
+    ap.add_argument("--part-bytes", type=int, default=2 ** 19,
+                    help="the size of the messages a part of the all-reduce is streamed in (hivemind's default 512 KiB)")
+    args = ap.parse_args()
+    sys.path.insert(0, str(HERE))
+    from netns_internet import Internet, unavailable
+
+    why = unavailable()
+    if why:
+        sys.exit(f"relay_probe.py: {why}")
+    with Internet() as net:
+        boot = net.popen("boot", [sys.executable, __file__, "--role", "boot", net.address("boot")],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            maddrs = [m for m in boot.stdout.readline().decode().split() if net.address("boot") in m]
+            homes = [net.popen(h, [sys.executable, __file__, "--role", h, str(args.floats), str(args.steps),
+                                   str(args.timeout), str(args.part_bytes), *maddrs],
+                               stderr=subprocess.DEVNULL, start_new_session=True) for h in ("home1", "home2")]
+            for p in homes:
+                try:
+                    p.wait(timeout=420 + (5 * args.timeout + 40) * args.steps)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        finally:
+            boot.kill()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--role":
+        if sys.argv[2] == "boot":
+            _boot()
+        else:
+            _home(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6]), sys.argv[7:])
+    else:
+        main()
