@@ -76,8 +76,14 @@ $PY benchmarks/quality.py --workdir "$D" --budgets long --corpora related,mixed 
    --ablation-corpora related,mixed --ablations K-mean,no-residual --out "$D/p13c.json"
 $PY benchmarks/quality.py --workdir "$D" --budgets long --corpora today --seeds 1 --baselines "" --ablations "" \
    --out "$D/p13d.json"
+# 14. (fourth session) what phase 13 left out: worldlm on today at the long budget with 3 seeds,
+#     hierfavg and fedper there, and world attention with the new defaults (long budget, 3 seeds)
+$PY benchmarks/quality.py --workdir "$D" --budgets long --corpora today --baselines hierfavg,fedper --ablations "" \
+   --out "$D/p14.json"
+$PY benchmarks/quality.py --workdir "$D" --budgets long --corpora scripts,related,mixed --baselines "" \
+   --ablation-corpora scripts,related,mixed --ablations world-attn --out "$D/p14b.json"
 $PY benchmarks/quality.py --workdir "$D" --report-only --baselines centralized,fedavg,hierfavg,fedper \
-   --ablation-corpora scripts,related,mixed,today,random --ablations kv-all,key-only,K-mean,no-residual \
+   --ablation-corpora scripts,related,mixed,today,random --ablations kv-all,key-only,K-mean,no-residual,world-attn \
    --out benchmarks/out/quality-dept.json
 # the tables of everything above (the previous defaults); the runs of the full plan that were not made are listed as not run
 $Q --report-only --ablation-corpora scripts,related,mixed,today,random \
