@@ -10,7 +10,7 @@ announced addresses include a ``/p2p-circuit`` one, and then both average ``--fl
 ``--steps`` times: ``home1`` as a full member (it reduces), ``home2`` in client mode. ``home1``
 holds 3.0, ``home2`` 1.0: an all-reduce that moved both parts gives 2.0 on both.
 
-    sudo python benchmarks/relay_probe.py [--floats 1000] [--steps 3] [--timeout 7] [--part-bytes 524288]
+    sudo python benchmarks/relay_probe.py [--floats 1000] [--steps 3] [--timeout 7] [--part-bytes 524288] [--quic]
 
 Needs root, iproute2 and iptables. Prints, per host, when its relayed address appeared (seconds
 after its daemon started) and each step's outcome; asserts nothing. What it found is in
@@ -29,23 +29,31 @@ HERE = Path(__file__).resolve().parent
 BOOT_PORT, PORT = 31337, 31338
 
 
-def _boot() -> None:
+QUIC = "quic-v1"
+
+
+def _listen(port: int, quic: bool) -> list[str]:
+    return [f"/ip4/0.0.0.0/tcp/{port}"] + ([f"/ip4/0.0.0.0/udp/{port}/{QUIC}"] if quic else [])
+
+
+def _boot(address: str, quic: bool) -> None:
     import hivemind
 
-    dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/0.0.0.0/tcp/{BOOT_PORT}"],
-                       announce_maddrs=[f"/ip4/{sys.argv[3]}/tcp/{BOOT_PORT}"])
+    dht = hivemind.DHT(start=True, host_maddrs=_listen(BOOT_PORT, quic),
+                       announce_maddrs=[f"/ip4/{address}/tcp/{BOOT_PORT}"]
+                       + ([f"/ip4/{address}/udp/{BOOT_PORT}/{QUIC}"] if quic else []))
     print(" ".join(str(m) for m in dht.get_visible_maddrs()), flush=True)
     time.sleep(3600)
 
 
-def _home(role: str, floats: int, steps: int, timeout: float, part_bytes: int, boot: list[str]) -> None:
+def _home(role: str, floats: int, steps: int, timeout: float, part_bytes: int, quic: bool, boot: list[str]) -> None:
     import hivemind
     import torch
     from hivemind.averaging import DecentralizedAverager
 
     t0 = time.monotonic()
     dht = hivemind.DHT(start=True, initial_peers=boot, client_mode=True, use_relay=True, use_auto_relay=True,
-                       force_reachability="private", host_maddrs=[f"/ip4/0.0.0.0/tcp/{PORT}"])
+                       force_reachability="private", host_maddrs=_listen(PORT, quic))
     while True:
         circuit = [str(m) for m in dht.get_visible_maddrs(latest=True) if "/p2p-circuit" in str(m)]
         if circuit or time.monotonic() - t0 > 420:
@@ -81,6 +89,7 @@ def main() -> None:
                     help="seconds a sender or the next chunk may take (the all-reduce gets three times that)")
     ap.add_argument("--part-bytes", type=int, default=2 ** 19,
                     help="the size of the messages a part of the all-reduce is streamed in (hivemind's default 512 KiB)")
+    ap.add_argument("--quic", action="store_true", help="every node also listens on QUIC (UDP), the relay's included")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
     from netns_internet import Internet, unavailable
@@ -89,12 +98,12 @@ def main() -> None:
     if why:
         sys.exit(f"relay_probe.py: {why}")
     with Internet() as net:
-        boot = net.popen("boot", [sys.executable, __file__, "--role", "boot", net.address("boot")],
+        boot = net.popen("boot", [sys.executable, __file__, "--role", "boot", net.address("boot"), str(int(args.quic))],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             maddrs = [m for m in boot.stdout.readline().decode().split() if net.address("boot") in m]
             homes = [net.popen(h, [sys.executable, __file__, "--role", h, str(args.floats), str(args.steps),
-                                   str(args.timeout), str(args.part_bytes), *maddrs],
+                                   str(args.timeout), str(args.part_bytes), str(int(args.quic)), *maddrs],
                                stderr=subprocess.DEVNULL, start_new_session=True) for h in ("home1", "home2")]
             for p in homes:
                 try:
@@ -108,8 +117,9 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--role":
         if sys.argv[2] == "boot":
-            _boot()
+            _boot(sys.argv[3], sys.argv[4] == "1")
         else:
-            _home(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6]), sys.argv[7:])
+            _home(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6]),
+                  sys.argv[7] == "1", sys.argv[8:])
     else:
         main()
