@@ -91,6 +91,9 @@ def main() -> None:
                     help="the size of the messages a part of the all-reduce is streamed in (hivemind's default 512 KiB)")
     ap.add_argument("--quic", action="store_true", help="every node also listens on QUIC (UDP), the relay's included")
     args = ap.parse_args()
+    for name in ("floats", "steps", "timeout", "part_bytes"):
+        if not getattr(args, name) > 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     sys.path.insert(0, str(HERE))
     from netns_internet import Internet, unavailable
 

@@ -8,8 +8,8 @@ the presets below are the ones the quality benchmark compares:
 - ``embed_head``: the token embeddings and the LM head (DEPT, arXiv 2410.05402, localises these);
   the default since the quality study of 2026-12-04 (``benchmarks/RESULTS.md``): with members
   mixing the backbone and K each by evidence (``personal_scope = "parts"``) every peer trains one
-  transformer body and keeps token embeddings of its own, which beat ``kv`` on every corpus and
-  at both budgets of the study;
+  transformer body and keeps token embeddings of its own, at least level with ``kv`` in every
+  corpus-budget cell of the study and better beyond the seed noise in three of ten;
 - ``kv``: the attention key and value projections of every block (the design doc's default);
 - ``last30``: every parameter of the last 30% of the transformer blocks (the reference spec's
   default, rounded up to at least one block).
