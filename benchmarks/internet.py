@@ -10,7 +10,11 @@ masquerade their LAN and drop unsolicited inbound packets). Scenarios:
 - ``nat``: one public and two NATed peers in eu (behind two different routers), one public peer in na
   (a region of one, which must still take part in world rounds);
 - ``forward``: as ``nat``, but the first home router forwards the peer's port and the peer
-  announces its public address (``--announce-maddrs``), so that it is directly reachable.
+  announces its public address (``--announce-maddrs``), so that it is directly reachable;
+- ``natonly``: region eu holds only the two NATed peers (nobody can reduce their rounds: each trains
+  alone), one public peer in na;
+- ``relayed``: as ``natonly``, with the bootstrap node started with ``--relay``: it reduces eu's
+  rounds (:mod:`worldlm_p2p.peer.relay`).
 
 Reported per scenario: region round time (median, p90) over the rounds that averaged, the share of
 region-round attempts that were complete (every member that waited was in the group and no part
@@ -34,6 +38,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -53,8 +58,11 @@ SCENARIOS: dict[str, list[tuple[str, str, str]]] = {
             ("pub2", "na", "na/en_email")],
     "forward": [("pub1", "eu", "eu/fi_mixed"), ("home1", "eu", "eu/de_news-reviews-wiki"),
                 ("home2", "eu", "eu/nl_news"), ("pub2", "na", "na/en_email")],
+    "natonly": [("home1", "eu", "eu/de_news-reviews-wiki"), ("home2", "eu", "eu/nl_news"), ("pub2", "na", "na/en_email")],
+    "relayed": [("home1", "eu", "eu/de_news-reviews-wiki"), ("home2", "eu", "eu/nl_news"), ("pub2", "na", "na/en_email")],
 }
 FORWARDED = {"forward": ["home1"]}  # hosts whose router forwards PORT to them (and that announce it)
+RELAYED = {"relayed"}  # scenarios whose bootstrap node relays (worldlm-bootstrap --relay)
 
 
 def manifest(run_id: str, compress: str | None = None) -> str:
@@ -78,6 +86,12 @@ def iface_bytes(net: Internet, host: str) -> tuple[int, int]:
 
 
 events = read_events
+
+
+def _copy(stream, path: Path) -> None:
+    with open(path, "ab", buffering=0) as f:
+        for raw in iter(stream.readline, b""):
+            f.write(raw)
 
 
 def _wait_training(workdir: Path, hosts: list[str], *, deadline: float) -> None:
@@ -107,14 +121,16 @@ def run_scenario(net: Internet, name: str, workdir: Path, *, steps: int, trace: 
         boot = net.popen("boot", [_bin("worldlm-bootstrap"), "--run-config", str(workdir / "run.toml"),
                                   "--host-maddrs", f"/ip4/0.0.0.0/tcp/{BOOT_PORT}",
                                   "--announce-maddrs", f"/ip4/{net.address('boot')}/tcp/{BOOT_PORT}",
-                                  "--identity", str(workdir / "bootstrap.id")],
-                         stdout=subprocess.PIPE, stderr=open(workdir / "bootstrap.log", "wb"), env=env,
+                                  "--identity", str(workdir / "bootstrap.id")] + (["--relay"] if name in RELAYED else []),
+                         stdout=subprocess.PIPE, stderr=open(workdir / "bootstrap.err", "wb"), env=env,
                          start_new_session=True)
         procs.append(boot)
         line = boot.stdout.readline().decode()
         maddrs = [t for t in line.split() if "/p2p/" in t]
         if not maddrs:
-            raise RuntimeError(f"the bootstrap node printed {line!r}; see {workdir / 'bootstrap.log'}")
+            raise RuntimeError(f"the bootstrap node printed {line!r}; see {workdir / 'bootstrap.err'}")
+        # its log (after the first line) goes on on stdout: into the log file, never a full pipe
+        threading.Thread(target=_copy, args=(boot.stdout, workdir / "bootstrap.log"), daemon=True).start()
         started = {}
         for i, (host, region, sub) in enumerate(peers):
             if i and region != peers[i - 1][1]:

@@ -36,33 +36,54 @@ def _listen(port: int, quic: bool) -> list[str]:
     return [f"/ip4/0.0.0.0/tcp/{port}"] + ([f"/ip4/0.0.0.0/udp/{port}/{QUIC}"] if quic else [])
 
 
-def _boot(address: str, quic: bool) -> None:
+def _boot(address: str, quic: bool, aux_floats: int = 0, timeout: float = 7.0, part_bytes: int = 2 ** 19) -> None:
     import hivemind
 
     dht = hivemind.DHT(start=True, host_maddrs=_listen(BOOT_PORT, quic),
                        announce_maddrs=[f"/ip4/{address}/tcp/{BOOT_PORT}"]
                        + ([f"/ip4/{address}/udp/{BOOT_PORT}/{QUIC}"] if quic else []))
     print(" ".join(str(m) for m in dht.get_visible_maddrs()), flush=True)
-    time.sleep(3600)
+    if not aux_floats:
+        time.sleep(3600)
+        return
+    import torch
+    from hivemind.averaging import DecentralizedAverager
+
+    # --aux: the bootstrap host reduces the round itself (hivemind's auxiliary mode: it sends no
+    # tensor of its own), the NATed hosts are clients that dial it: no relay
+    averager = DecentralizedAverager([torch.zeros(aux_floats)], dht, prefix="probe", auxiliary=True,
+                                     target_group_size=3, min_matchmaking_time=3.0, request_timeout=1.0,
+                                     allreduce_timeout=3 * timeout, sender_timeout=timeout,
+                                     reducer_timeout=2 * timeout, next_chunk_timeout=timeout,
+                                     part_size_bytes=part_bytes, start=True)
+    while True:
+        t1 = time.monotonic()
+        try:
+            group = averager.step(timeout=4 * timeout + 30)
+            print(f"boot (aux): a group of {len(group) if group else 0} in {time.monotonic() - t1:.1f} s", flush=True)
+        except Exception as e:
+            print(f"boot (aux): failed: {type(e).__name__}: {e}", flush=True)
 
 
-def _home(role: str, floats: int, steps: int, timeout: float, part_bytes: int, quic: bool, boot: list[str]) -> None:
+def _home(role: str, floats: int, steps: int, timeout: float, part_bytes: int, quic: bool, aux: bool,
+          boot: list[str]) -> None:
     import hivemind
     import torch
     from hivemind.averaging import DecentralizedAverager
 
     t0 = time.monotonic()
-    dht = hivemind.DHT(start=True, initial_peers=boot, client_mode=True, use_relay=True, use_auto_relay=True,
+    dht = hivemind.DHT(start=True, initial_peers=boot, client_mode=True, use_relay=not aux, use_auto_relay=not aux,
                        force_reachability="private", host_maddrs=_listen(PORT, quic))
-    while True:
+    while not aux:
         circuit = [str(m) for m in dht.get_visible_maddrs(latest=True) if "/p2p-circuit" in str(m)]
         if circuit or time.monotonic() - t0 > 420:
             break
         time.sleep(2.0)
-    print(f"{role}: relayed address after {time.monotonic() - t0:.1f} s: {circuit or 'none'}", flush=True)
-    client = role == "home2"
-    averager = DecentralizedAverager([torch.full((floats,), 1.0 if client else 3.0)], dht, prefix="probe",
-                                     target_group_size=2, min_matchmaking_time=3.0, request_timeout=1.0,
+    if not aux:
+        print(f"{role}: relayed address after {time.monotonic() - t0:.1f} s: {circuit or 'none'}", flush=True)
+    client = aux or role == "home2"
+    averager = DecentralizedAverager([torch.full((floats,), 3.0 if role == "home1" else 1.0)], dht, prefix="probe",
+                                     target_group_size=3 if aux else 2, min_matchmaking_time=3.0, request_timeout=1.0,
                                      allreduce_timeout=3 * timeout, sender_timeout=timeout,
                                      reducer_timeout=2 * timeout, next_chunk_timeout=timeout, client_mode=client,
                                      part_size_bytes=part_bytes, start=True)
@@ -90,6 +111,9 @@ def main() -> None:
     ap.add_argument("--part-bytes", type=int, default=2 ** 19,
                     help="the size of the messages a part of the all-reduce is streamed in (hivemind's default 512 KiB)")
     ap.add_argument("--quic", action="store_true", help="every node also listens on QUIC (UDP), the relay's included")
+    ap.add_argument("--aux", action="store_true",
+                    help="no libp2p relay: the bootstrap host reduces every round as an auxiliary averager (it "
+                         "sends nothing of its own) and both NATed hosts are clients that dial it")
     args = ap.parse_args()
     for name in ("floats", "steps", "timeout", "part_bytes"):
         if not getattr(args, name) > 0:
@@ -101,12 +125,14 @@ def main() -> None:
     if why:
         sys.exit(f"relay_probe.py: {why}")
     with Internet() as net:
-        boot = net.popen("boot", [sys.executable, __file__, "--role", "boot", net.address("boot"), str(int(args.quic))],
+        boot = net.popen("boot", [sys.executable, __file__, "--role", "boot", net.address("boot"), str(int(args.quic)),
+                                  str(args.floats if args.aux else 0), str(args.timeout), str(args.part_bytes)],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             maddrs = [m for m in boot.stdout.readline().decode().split() if net.address("boot") in m]
             homes = [net.popen(h, [sys.executable, __file__, "--role", h, str(args.floats), str(args.steps),
-                                   str(args.timeout), str(args.part_bytes), str(int(args.quic)), *maddrs],
+                                   str(args.timeout), str(args.part_bytes), str(int(args.quic)), str(int(args.aux)),
+                                   *maddrs],
                                stderr=subprocess.DEVNULL, start_new_session=True) for h in ("home1", "home2")]
             for p in homes:
                 try:
@@ -120,9 +146,9 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--role":
         if sys.argv[2] == "boot":
-            _boot(sys.argv[3], sys.argv[4] == "1")
+            _boot(sys.argv[3], sys.argv[4] == "1", int(sys.argv[5]), float(sys.argv[6]), int(sys.argv[7]))
         else:
             _home(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6]),
-                  sys.argv[7] == "1", sys.argv[8:])
+                  sys.argv[7] == "1", sys.argv[8] == "1", sys.argv[9:])
     else:
         main()

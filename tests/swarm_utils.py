@@ -58,17 +58,26 @@ def fast_run(run_id: str = "t", inner_steps: int = 5, averaging: str = "", aggre
 
 def start_bootstrap(procs: Procs, tmp: Path, *, run_id: str = "t", inner_steps: int = 5,
                     timeout: float = 60, averaging: str = "", aggregation: str = "",
-                    tables: str = "") -> tuple[subprocess.Popen, list[str]]:
-    """``tables``: more TOML tables of the manifest (e.g. ``[admission.regions]``)."""
+                    tables: str = "", extra: list[str] = ()) -> tuple[subprocess.Popen, list[str]]:
+    """``tables``: more TOML tables of the manifest (e.g. ``[admission.regions]``); ``extra``: more
+    flags. Its log goes to ``tmp/logs/bootstrap.log``."""
     run = tmp / "run.toml"
     run.write_text(fast_run(run_id, inner_steps, averaging, aggregation) + "\n" + tables)
-    p = procs.start(["worldlm_p2p.cli.bootstrap", "--run-config", str(run), "--host-maddrs", LOOPBACK])
+    p = procs.start(["worldlm_p2p.cli.bootstrap", "--run-config", str(run), "--host-maddrs", LOOPBACK, *extra])
     line = p.stdout.readline().decode()
     maddrs = [t for t in line.split() if "/p2p/" in t]
     assert maddrs, f"bootstrap printed {line!r}"
     import threading
 
-    threading.Thread(target=lambda: [None for _ in iter(p.stdout.readline, b"")], daemon=True).start()
+    (tmp / "logs").mkdir(exist_ok=True)
+    log = open(tmp / "logs" / "bootstrap.log", "ab", buffering=0)
+
+    def keep_log() -> None:
+        with log:
+            for raw in iter(p.stdout.readline, b""):
+                log.write(raw)
+
+    threading.Thread(target=keep_log, daemon=True).start()
     threading.Thread(target=lambda: [None for _ in iter(p.stderr.readline, b"")], daemon=True).start()
     return p, maddrs
 

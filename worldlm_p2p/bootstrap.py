@@ -8,6 +8,9 @@ It remembers the peers it is connected to (``peers_path``, rewritten every ``rem
 seconds): restarted, it dials those that still answer, so that it rejoins the swarm it served
 instead of starting a second, empty one that newcomers would join alone (running peers do not dial
 a bootstrap node again once they have joined).
+
+With ``relay``, it also reduces the rounds of regions whose live members are all outbound-only
+(peers behind NAT that nobody can dial): :mod:`worldlm_p2p.peer.relay`, endorsed by the run key.
 """
 
 from __future__ import annotations
@@ -40,10 +43,13 @@ class BootstrapConfig:
     run_key_path: str | None = None  # the run key that signs the manifest (default: the node's identity)
     peers_path: str | None = None  # where the node remembers the peers it knew (None: it does not)
     remember_every: float = 30.0  # seconds between two rewrites of peers_path
+    relay: bool = False  # reduce the rounds of regions of outbound-only members (needs the manifest)
 
     def __post_init__(self) -> None:
         from worldlm_p2p.errors import ConfigError
 
+        if self.relay and self.manifest is None:
+            raise ConfigError("relay: a relay needs the run manifest it serves (--run-config)")
         if not (math.isfinite(self.manifest_ttl) and 1 < self.manifest_ttl <= 86400):
             raise ConfigError(f"manifest_ttl: must be a finite number of seconds in (1, 86400], got {self.manifest_ttl}")
         if not (math.isfinite(self.remember_every) and self.remember_every > 0):
@@ -133,6 +139,7 @@ class BootstrapNode:
         self._dht = None
         self._validators: list = []
         self.rejoining: tuple[int, int] | None = None  # (dialled, remembered) peers at start
+        self.relay = None  # a worldlm_p2p.peer.relay.RegionRelay with config.relay
 
     def start(self) -> list[str]:
         """Start the DHT, publish the manifest; return the multiaddrs peers should use."""
@@ -168,6 +175,12 @@ class BootstrapNode:
             # signed once: the record any peer re-publishes is this one, verbatim
             self._record = records.ManifestRecord.sign(self.run_key, cfg.manifest, time=get_dht_time())
             self._publish()
+        if cfg.relay:
+            from worldlm_p2p.peer.relay import RegionRelay
+
+            # ticked by serve(), in the main thread: hivemind forks an averager from there only
+            self.relay = RegionRelay(dht=self._dht, validators=self._validators, manifest=cfg.manifest,
+                                     run_key=self.run_key)
         return visible_maddrs(self._dht)
 
     @property
@@ -210,17 +223,23 @@ class BootstrapNode:
         return len(found)
 
     def serve(self) -> None:
-        """Block until :meth:`stop`, renewing the manifest every third of its TTL and remembering
-        the connected peers every ``remember_every`` seconds."""
+        """Block until :meth:`stop`, renewing the manifest every third of its TTL, remembering
+        the connected peers every ``remember_every`` seconds and, with ``relay``, looking for the
+        regions' rounds to relay every half second."""
         cfg = self.config
         manifest_period = cfg.manifest_ttl / 3 if cfg.manifest else math.inf
         remember_period = cfg.remember_every if cfg.peers_path else math.inf
         # the first rewrites come sooner (5 s, 10 s, 20 s, ...): peers join in the first minute
         step = min(5.0, remember_period)
         next_manifest, next_remember = time.monotonic() + manifest_period, time.monotonic() + step
-        while not self._stop.wait(max(0.05, min(next_manifest, next_remember, time.monotonic() + 3600)
+        relay_period = self.relay.poll if self.relay is not None else math.inf
+        next_relay = time.monotonic() if self.relay is not None else math.inf
+        while not self._stop.wait(max(0.05, min(next_manifest, next_remember, next_relay, time.monotonic() + 3600)
                                       - time.monotonic())):
             now = time.monotonic()
+            if now >= next_relay:
+                self.relay.tick_safely()
+                next_relay = time.monotonic() + relay_period
             if now >= next_manifest:
                 next_manifest = now + manifest_period
                 try:
@@ -237,6 +256,9 @@ class BootstrapNode:
 
     def shutdown(self) -> None:
         self._stop.set()
+        if self.relay is not None:
+            self.relay.stop()
+            self.relay = None
         if self._dht is not None:
             self.remember(timeout=5.0)
             try:

@@ -83,3 +83,40 @@ def test_two_peers_behind_two_nats_and_a_public_peer_average_in_one_region(tmp_p
     assert all(peers[h]["world_rounds_adopted"] >= 1 for h in ("pub1", "home1", "home2", "pub2")), peers
     # the kernel counted traffic on every host's interface (what the benchmark reports)
     assert all(p["wire_sent"] > 0 and p["wire_received"] > 0 for p in peers.values())
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"no simulated internet here: {WHY}")
+def test_a_region_of_natted_peers_only_averages_through_the_bootstrap_relay(tmp_path):
+    # eu: two volunteers behind two different home routers and nobody else; the bootstrap node runs
+    # with --relay and reduces their rounds (without it each would train alone: benchmarks/internet.py
+    # scenario natonly)
+    with netns_internet.Internet() as net:
+        res = internet.run_scenario(net, "relayed", tmp_path, steps=40, trace=True, timeout=360)
+    peers = res["peers"]
+
+    def log(host: str) -> str:
+        return "\n".join((tmp_path / f"{host}.log").read_text(errors="replace").splitlines()[-20:])
+
+    for host in ("home1", "home2"):
+        p = peers[host]
+        assert p["exit"] == 0, f"{host} exited {p['exit']}:\n{log(host)}"
+        assert p["check"] == "not-direct" and p["reachability"] == "outbound", p
+    boot = (tmp_path / "bootstrap.log").read_text(errors="replace")
+    assert "every live member of eu is outbound-only" in boot, boot[-3000:]
+    rounds = sorted(r for r, t in traces(tmp_path, "home1").items() if t["ok"])
+    assert len(rounds) >= 6, (peers["home1"], log("home1"), boot[-2000:])
+    inexact = []
+    for r in rounds:
+        group = group_of(tmp_path, "home1", r)
+        assert {t["label"] for t in group} == {"home1", "home2"}  # the relay is no member
+        err = round_error(group)
+        assert err < 0.05, (r, err, round_diagnosis(group))
+        if err >= 1e-5:
+            inexact.append((r, f"{err:.2e}", round_lost(group) or round_diagnosis(group)))
+    assert len(inexact) <= 1, f"{len(inexact)} of {len(rounds)} rounds differ from the pure round: {inexact}"
+    for host in ("home1", "home2"):
+        p = peers[host]
+        assert p["complete"] >= p["attempts"] - 1 and p["failed"] <= 1, (host, p)
+        for e in internet.events(tmp_path / f"{host}.events"):
+            if e.get("event") == "round" and e["outcome"] == "averaged":
+                assert e["group_size"] == e["expected"] == 2, (host, e)

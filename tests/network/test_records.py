@@ -179,3 +179,33 @@ def test_progress_mixing_weights_on_the_wire():
     for bad in (dict(mix_region=1.5), dict(mix_world=-2.0), dict(mix_region="0.1")):
         with pytest.raises(ValueError):
             records.ProgressRecord.from_wire(dict(r.to_wire(), **bad))
+
+
+def test_relay_record_round_trip_and_endorsement():
+    from worldlm_p2p.net.admission import RELAY_ENDORSEMENT, issue, peer_id_of, relay_why_not
+
+    run_key, stranger = RSAPrivateKey(), RSAPrivateKey()
+    relay_key = RSAPrivateKey()
+    relay_id = peer_id_of(relay_key.get_public_key())
+    cert = issue(run_key, run_id="r", region=RELAY_ENDORSEMENT, peer_id=relay_id, expires=get_dht_time() + 60)
+    rec = records.RelayRecord(peer_id=relay_id, fingerprint="abc", regions=("eu", "asia"), endorsement=cert.to_wire(),
+                              time=1.0)
+    back = records.RelayRecord.from_wire(rec.to_wire())
+    assert back == rec
+    for bad in (dict(regions=["x"] * 65), dict(endorsement={}), dict(extra=1), dict(time=-1.0)):
+        with pytest.raises(ValueError):
+            records.RelayRecord.from_wire(dict(rec.to_wire(), **bad))
+
+    def why(record, key=run_key, **kw):
+        return relay_why_not(record, run_key=key.get_public_key(), run_id="r", fingerprint="abc", **kw)
+
+    assert why(back.signed_by(relay_id)) is None
+    assert "not signed by the key" in why(back.signed_by("someone-else"))
+    assert "not signed by the run key" in why(back.signed_by(relay_id), key=stranger)
+    assert "relays manifest" in why(dataclasses.replace(back, fingerprint="other").signed_by(relay_id))
+    assert "expired" in why(back.signed_by(relay_id), now=get_dht_time() + 120)
+    # an endorsement of another peer, or of a region admission rather than a relay, does not do
+    other = issue(run_key, run_id="r", region=RELAY_ENDORSEMENT, peer_id="QmOther", expires=get_dht_time() + 60)
+    assert "for peer" in why(dataclasses.replace(back, endorsement=other.to_wire()).signed_by(relay_id))
+    region = issue(run_key, run_id="r", region="eu", peer_id=relay_id, expires=get_dht_time() + 60)
+    assert "for region" in why(dataclasses.replace(back, endorsement=region.to_wire()).signed_by(relay_id))

@@ -3,7 +3,8 @@
 import dataclasses
 import time
 
-from worldlm_p2p.net.barrier import MIN_OWN_SHARE, Action, decide, region_tokens, round_due, wait_for_region
+from worldlm_p2p.net.barrier import (MIN_OWN_SHARE, Action, decide, region_tokens, relay_due, round_due,
+                                     wait_for_region)
 from worldlm_p2p.net.records import ProgressRecord
 
 
@@ -81,6 +82,57 @@ def test_an_outbound_peer_needs_a_live_peer_others_can_dial():
     d = decide(my_round=2, others=[rec("b", waiting=2, reachability="outbound"),
                                    rec("c", finished=True, reachability="direct")], outbound=True)
     assert d.action is Action.ALONE
+
+
+def test_outbound_peers_line_up_when_a_relay_serves_their_region():
+    out = [rec("b", waiting=2, reachability="outbound"), rec("c", waiting=1, reachability="outbound")]
+    # a relay serves the region: the usual barrier (c is still training towards round 2) ...
+    d = decide(my_round=2, others=out, outbound=True, relayed=True)
+    assert d.action is Action.WAIT and d.relay
+    # ... then GO once everyone waits, the group holding the relay too
+    out[1] = rec("c", waiting=2, reachability="outbound")
+    d = decide(my_round=2, others=out, outbound=True, relayed=True)
+    assert d.action is Action.GO and d.waiting == 2 and d.relay
+    # no relay: each trains alone, as before
+    assert decide(my_round=2, others=out, outbound=True, relayed=False).action is Action.ALONE
+    # a reachable member reduces: no relay in the group, even where one is offered
+    d = decide(my_round=2, others=out + [rec("x", waiting=2, reachability="direct")], outbound=True, relayed=True)
+    assert d.action is Action.GO and not d.relay
+    # the barrier at its timeout keeps the relay flag
+    calls = iter([[rec("b", waiting=2, reachability="outbound"), rec("c", waiting=-1, reachability="outbound")]] * 100)
+    d = wait_for_region(my_round=2, fetch_others=lambda: next(calls), announce=lambda r: None, timeout=0.05,
+                        poll=0.01, outbound=True, relayed=lambda: True)
+    assert d.action is Action.GO and d.waiting == 1 and d.relay
+
+
+def test_a_relay_joins_the_round_the_members_barrier_goes_for():
+    o = dict(reachability="outbound")
+    first: dict = {}
+    members = [rec("a", waiting=3, **o), rec("b", waiting=-1, **o)]
+    # b still trains towards round 3: wait (and remember when a began to wait)
+    assert relay_due(members=members, done=2, first_waiting=first, now=100.0, timeout=60.0) is None
+    assert first == {3: 100.0}
+    # everyone waits: join round 3, expecting both
+    members[1] = rec("b", waiting=3, **o)
+    assert relay_due(members=members, done=2, first_waiting=first, now=101.0, timeout=60.0) == (3, 2)
+    # ... once: round 3 is done
+    assert relay_due(members=members, done=3, first_waiting=first, now=102.0, timeout=60.0) is None
+    # the members' barrier timeout: those waiting go ahead (at least two of them), and so does the relay
+    three = [rec("a", waiting=5, **o), rec("b", waiting=5, **o), rec("c", waiting=-1, **o)]
+    first = {}
+    assert relay_due(members=three, done=4, first_waiting=first, now=0.0, timeout=60.0) is None
+    assert relay_due(members=three, done=4, first_waiting=first, now=59.0, timeout=60.0) is None
+    assert relay_due(members=three, done=4, first_waiting=first, now=60.0, timeout=60.0) == (5, 2)
+    # the round is the majority's: one record claiming an absurd round moves nothing
+    liar = [rec("a", waiting=10 ** 9, **o), rec("b", waiting=-1, **o), rec("c", waiting=-1, **o)]
+    assert relay_due(members=liar, done=4, first_waiting={}, now=0.0, timeout=0.0) is None
+    # nothing to relay: a reachable member reduces, a single member has nobody to average with
+    assert relay_due(members=[rec("a", waiting=3, **o), rec("b", waiting=3, reachability="direct")], done=0,
+                     first_waiting={}, now=0.0, timeout=0.0) is None
+    assert relay_due(members=[rec("a", waiting=3, **o)], done=0, first_waiting={}, now=0.0, timeout=0.0) is None
+    # finished members do not count
+    assert relay_due(members=[rec("a", waiting=3, **o), rec("b", waiting=3, finished=True, **o)], done=0,
+                     first_waiting={}, now=0.0, timeout=0.0) is None
 
 
 def test_a_round_that_lost_a_part_is_partial():

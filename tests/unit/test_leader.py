@@ -98,7 +98,7 @@ def test_lease_record_wire_round_trip_and_rejections():
 def test_make_validators_keeps_run_independent_validators_first():
     key = RSAPrivateKey()
     base, run = records.make_validators(None, key), records.make_validators("r", key)
-    assert len(base) == 2 and len(run) == 5  # progress, leaders, residuals
+    assert len(base) == 2 and len(run) == 6  # progress, leaders, residuals, relays
     assert [type(v) for v in run[:2]] == [type(v) for v in base]
 
 

@@ -32,6 +32,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--remember-peers", metavar="FILE",
                    help="where the node remembers the peers it is connected to, to rejoin them when restarted "
                         "(default with --identity: IDENTITY.peers.json; 'none': do not remember)")
+    p.add_argument("--relay", action="store_true",
+                   help="also reduce the region rounds of regions whose members are all behind NAT (outbound-only), "
+                        "which nobody else can; needs --run-config (the node endorses itself with the run key)")
     return p
 
 
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
         peers_path = args.remember_peers or (f"{args.identity}.peers.json" if args.identity else None)
         node = BootstrapNode(config=BootstrapConfig(net=net, manifest=manifest, manifest_ttl=args.manifest_ttl,
                                                     run_key_path=args.run_key,
-                                                    peers_path=None if peers_path == "none" else peers_path))
+                                                    peers_path=None if peers_path == "none" else peers_path,
+                                                    relay=args.relay))
         install_stop_handlers(node.stop)
         try:
             maddrs = node.start()
@@ -82,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
                             records.run_key_id(node.run_key_text), node.run_key_text)
             else:
                 logger.info("no --run-config: serving the DHT only")
+            if node.relay is not None:
+                logger.info("relaying: the rounds of regions whose members are all outbound-only go through this node")
             logger.info("bootstrap node %s is serving; Ctrl-C to stop", node.peer_id)
             node.serve()
         finally:

@@ -150,6 +150,27 @@ def check(cert: Certificate | None, *, region_key, run_id: str, region: str, pee
     return None
 
 
+#: the "region" of a relay's endorsement: the run key's certificate that a peer may reduce the rounds
+#: of regions whose members are all outbound-only (:mod:`worldlm_p2p.peer.relay`)
+RELAY_ENDORSEMENT = "*relay*"
+
+
+def relay_why_not(record, *, run_key, run_id: str, fingerprint: str, now: float | None = None) -> str | None:
+    """Why the relay behind a :class:`~worldlm_p2p.net.records.RelayRecord` may not reduce this
+    run's rounds (None: it may): signed in the DHT by the key of the peer id it claims, of this
+    manifest, and endorsed by the run key (``run_key``: a hivemind ``RSAPublicKey``)."""
+    if record.signer is None or record.signer != record.peer_id:
+        return "its record is not signed by the key of the peer id it claims"
+    if record.fingerprint != fingerprint:
+        return f"it relays manifest {record.fingerprint}, not this run's"
+    try:
+        cert = Certificate.from_wire(record.endorsement)
+    except ValueError as e:
+        return f"malformed endorsement ({e})"
+    why = check(cert, region_key=run_key, run_id=run_id, region=RELAY_ENDORSEMENT, peer_id=record.peer_id, now=now)
+    return None if why is None else why.replace("region's key", "run key")
+
+
 class RegionAdmission:
     """The run's admission rules, as a member applies them to the others' progress records."""
 

@@ -52,6 +52,12 @@ class RoundResult:
     error: str = ""
     seconds: float = 0.0
     report: RoundReport = RoundReport()  # the senders this peer's reducer caught, the reducers that failed it
+    relays: tuple[str, ...] = ()  # relays in the group (not counted in group_size nor in gathered)
+
+
+def is_relay_gather(meta: Any) -> bool:
+    """Whether what a group member gathered says it is a relay (an auxiliary reducer, no member)."""
+    return isinstance(meta, dict) and meta.get("relay") is True
 
 
 class RegionAverager(DecentralizedAverager):
@@ -64,8 +70,11 @@ class RegionAverager(DecentralizedAverager):
     def __init__(self, *, tensors: Sequence[torch.Tensor], dht, run_id: str, region: str,
                  averaging: AveragingConfig, fingerprint: str, robust: RobustSettings = RobustSettings(),
                  clipped_above: float = 0.5, should_stop: Callable[[], bool] = lambda: False,
-                 start: bool = True, codecs: Sequence[str] | None = None) -> None:
-        """``codecs``: how each tensor travels (:func:`worldlm_p2p.rounds.payload_codecs`; None: float32)."""
+                 start: bool = True, codecs: Sequence[str] | None = None, auxiliary: bool = False) -> None:
+        """``codecs``: how each tensor travels (:func:`worldlm_p2p.rounds.payload_codecs`; None: float32).
+        ``auxiliary``: a relay's averager (hivemind's auxiliary mode): it reduces its part of every
+        round it joins but sends nothing of its own, receives no average and serves no state
+        (:meth:`relay_round`)."""
         self._robust, self._clipped_above = robust, float(clipped_above)
         self.should_stop: Callable[[], bool] = should_stop
         self._shared_lock = threading.Lock()
@@ -89,7 +98,8 @@ class RegionAverager(DecentralizedAverager):
             declare_state_period=5.0,
             # an outbound-only peer's DHT is a client: its averager then runs in client mode (it sends its
             # part and receives the average over connections it opens, never reduces, and serves no state)
-            allow_state_sharing=not dht.client_mode,
+            allow_state_sharing=not dht.client_mode and not auxiliary,
+            auxiliary=auxiliary,
             shutdown_timeout=3.0,
             compression=wire_compression(codecs) if codecs is not None else NoCompression(),
         )
@@ -184,6 +194,11 @@ class RegionAverager(DecentralizedAverager):
         from hivemind.utils.asyncio import as_aiter, azip
 
         group_id = group_info.group_id if group_id is None else group_id
+        if "modes" not in kwargs:
+            # hivemind 1.1 reads every member's mode from the gathered data but does not hand it to the
+            # runner, which then takes an auxiliary member (a relay) for a sender of weight 0: the robust
+            # rule's median would count its zeros. Each member's mode, as it declared it
+            kwargs["modes"] = tuple(AveragingMode(self.serializer.loads(g)[1]) for g in group_info.gathered)
         before = [t.detach().clone() for t in tensors]
         runner = RobustAllReduceRunner(robust_settings=self._robust, p2p=hivemind_compat.p2p_of(self),
                                        servicer_type=type(self), prefix=self.prefix, tensors=tensors,
@@ -276,9 +291,31 @@ class RegionAverager(DecentralizedAverager):
                                seconds=time.monotonic() - t0, report=self.take_report())
         with self.get_tensors() as buffers:
             averaged = [b.detach().clone() for b in buffers]
-        gathered = {str(pid): meta for pid, meta in result.items()}
+        gathered = {str(pid): meta for pid, meta in result.items() if not is_relay_gather(meta)}
+        relays = tuple(sorted(str(pid) for pid, meta in result.items() if is_relay_gather(meta)))
         return RoundResult(ok=True, group_size=len(gathered), gathered=gathered, averaged=averaged,
-                           seconds=time.monotonic() - t0, report=self.take_report())
+                           seconds=time.monotonic() - t0, report=self.take_report(), relays=relays)
+
+    def relay_round(self, *, gather: dict[str, Any]) -> RoundResult:
+        """Join one round of the group as its relay (an ``auxiliary`` averager): reduce, send nothing
+        of its own. ``gather`` gets ``relay=True`` (members leave the relay out of their counts).
+        Never raises for network failures."""
+        t0 = time.monotonic()
+        try:
+            control = self.step(gather=dict(gather, relay=True), timeout=self._timeout, allow_retries=True,
+                                wait=False)
+            result = self._await_step(control, started=t0)
+        except Exception as e:
+            return RoundResult(ok=False, group_size=0, gathered={}, averaged=None,
+                               error=" ".join(str(e).split())[:200] or type(e).__name__,
+                               seconds=time.monotonic() - t0, report=self.take_report())
+        if not result:
+            return RoundResult(ok=False, group_size=0, gathered={}, averaged=None, error="no group",
+                               seconds=time.monotonic() - t0, report=self.take_report())
+        gathered = {str(pid): meta for pid, meta in result.items() if not is_relay_gather(meta)}
+        return RoundResult(ok=True, group_size=len(gathered), gathered=gathered, averaged=None,
+                           seconds=time.monotonic() - t0, report=self.take_report(),
+                           relays=tuple(sorted(str(pid) for pid, m in result.items() if is_relay_gather(m))))
 
     def _await_step(self, control, *, started: float):
         """The step's result, waiting in short slices: a round ends within hivemind's bounds (finding

@@ -10,6 +10,12 @@ majority's, so that a record that claims an absurd round (a malicious or broken 
 nobody, and a peer ahead of the majority is not waited for (it joins the region when the region
 reaches its round); a dead peer stops counting once its record expires, so the barrier is bounded by
 ``min(barrier_timeout, progress_ttl)`` after a death. A region with no other live peer trains alone.
+
+A region whose live members are all outbound-only has nobody who can reduce a round; where the run
+has a relay for it (:mod:`worldlm_p2p.peer.relay`: a reachable node endorsed by the run key that
+joins the group as an auxiliary member, reducing without sending anything of its own), the barrier
+lines the members up as usual and the group holds the relay too (:attr:`Decision.relay`); without
+one, each member trains alone. The relay follows the same records (:func:`relay_due`).
 """
 
 from __future__ import annotations
@@ -38,16 +44,20 @@ class Decision:
     round: int  # the round to run (may be later than asked, to catch up with the region)
     waiting: int  # other live peers that wait for ``round``
     live: int  # other live peers of the region
+    relay: bool = False  # every live member is outbound-only: the group needs the region's relay, one more peer
 
 
-def decide(*, my_round: int, others: Sequence[ProgressRecord], outbound: bool = False) -> Decision:
+def decide(*, my_round: int, others: Sequence[ProgressRecord], outbound: bool = False,
+           relayed: bool = False) -> Decision:
     """Pure barrier rule over the other live peers of the region (records of self excluded).
     ``outbound``: this peer is outbound-only; with no live peer that others can dial (every other
-    one outbound too), nobody could reduce a round: the region trains alone until one comes."""
+    one outbound too), nobody could reduce a round: the region trains alone until one comes, unless
+    ``relayed`` (a relay of the run serves the region: the rounds go through it)."""
     live = [r for r in others if not r.finished]
     if not live:
         return Decision(Action.ALONE, my_round, 0, 0)
-    if outbound and all(r.reachability == "outbound" for r in live):
+    relay = outbound and all(r.reachability == "outbound" for r in live)
+    if relay and not relayed:
         return Decision(Action.ALONE, my_round, 0, len(live))
     claims = sorted([my_round] + [r.waiting_for_round for r in live], reverse=True)
     majority = claims[(len(claims) + 1) // 2 - 1]  # the latest round at least half of the region has reached
@@ -55,31 +65,63 @@ def decide(*, my_round: int, others: Sequence[ProgressRecord], outbound: bool = 
     awaited = [r for r in live if r.waiting_for_round <= target]  # a peer ahead of the region waits for it
     waiting = sum(1 for r in awaited if r.waiting_for_round == target)
     if not awaited:  # every other peer is ahead of this one and of the majority: nobody to average with now
-        return Decision(Action.WAIT, target, 0, len(live))
+        return Decision(Action.WAIT, target, 0, len(live), relay)
     action = Action.GO if waiting == len(awaited) else Action.WAIT
-    return Decision(action, target, waiting, len(live))
+    return Decision(action, target, waiting, len(live), relay)
+
+
+def relay_due(*, members: Sequence[ProgressRecord], done: int, first_waiting: dict[int, float], now: float,
+              timeout: float) -> tuple[int, int] | None:
+    """What a relay of a region does now: ``(round, members)`` to join that round's group expecting
+    ``members`` peers besides itself, or None to wait. ``members``: the region's live records (a
+    relay needs every one outbound-only and at least two: otherwise a member reduces, or there is
+    nobody to average with); ``done``: the last round it joined; ``first_waiting``: round -> when it
+    first saw a member wait for it (updated here, ``now`` on the same clock). The round is the
+    members' own barrier's (:func:`decide`): the latest that at least half of them wait for; the relay
+    joins when every member not ahead of it waits for it, or ``timeout`` seconds (the members'
+    ``barrier_timeout``) after the first began to, with at least two waiting, as the members then go
+    ahead with whoever waits."""
+    live = [r for r in members if not r.finished]
+    if len(live) < 2 or any(r.reachability != "outbound" for r in live):
+        return None
+    claims = sorted((r.waiting_for_round for r in live), reverse=True)
+    target = claims[(len(claims) + 1) // 2 - 1]
+    if target < 0 or target <= done:
+        return None
+    awaited = [r for r in live if r.waiting_for_round <= target]
+    waiting = sum(1 for r in awaited if r.waiting_for_round == target)
+    first_waiting.setdefault(target, now)
+    for r in [r for r in first_waiting if r < target]:
+        del first_waiting[r]
+    if waiting == len(awaited) or (waiting >= 2 and now - first_waiting[target] >= timeout):
+        return target, waiting
+    return None
 
 
 def wait_for_region(*, my_round: int, fetch_others: Callable[[], list[ProgressRecord]],
                     announce: Callable[[int], None], timeout: float, poll: float = 0.25,
-                    should_stop: Callable[[], bool] = lambda: False, outbound: bool = False) -> Decision:
+                    should_stop: Callable[[], bool] = lambda: False, outbound: bool = False,
+                    relayed: Callable[[], bool] = lambda: False) -> Decision:
     """Announce readiness for ``my_round`` and wait until :func:`decide` says GO or ALONE, or until
-    ``timeout``; at the timeout, go ahead with whoever waits (laggards miss this round)."""
+    ``timeout``; at the timeout, go ahead with whoever waits (laggards miss this round).
+    ``relayed()``: whether a relay serves the region now (asked of outbound-only peers only)."""
     deadline = time.monotonic() + timeout
     announce(my_round)
-    decision = decide(my_round=my_round, others=fetch_others(), outbound=outbound)
+    decision = decide(my_round=my_round, others=fetch_others(), outbound=outbound,
+                      relayed=outbound and relayed())
     while decision.action is Action.WAIT and time.monotonic() < deadline and not should_stop():
         if decision.round != my_round:
             my_round = decision.round
             announce(my_round)
         time.sleep(poll)
-        decision = decide(my_round=my_round, others=fetch_others(), outbound=outbound)
+        decision = decide(my_round=my_round, others=fetch_others(), outbound=outbound,
+                          relayed=outbound and relayed())
     if decision.round != my_round:
         announce(decision.round)
     if decision.action is Action.WAIT:
         if decision.waiting > 0:
             logger.info("barrier timeout: going ahead with %d of %d region peers", decision.waiting, decision.live)
-            return Decision(Action.GO, decision.round, decision.waiting, decision.live)
+            return Decision(Action.GO, decision.round, decision.waiting, decision.live, decision.relay)
         return Decision(Action.ALONE, decision.round, 0, decision.live)
     return decision
 

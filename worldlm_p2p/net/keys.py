@@ -38,6 +38,10 @@ def residuals_key(run_id: str) -> str:
     return f"{run_id}_residuals"
 
 
+def relays_key(run_id: str) -> str:
+    return f"{run_id}_relays"
+
+
 def averager_prefix(run_id: str, group: str) -> str:
     """The averager prefix of a region (or of :data:`ALL_REGIONS` / :data:`LEADERS_GROUP`)."""
     return f"{run_id}_{group}"

@@ -1,6 +1,6 @@
 """Signed, schema-validated DHT records: run manifests, peer progress and leader candidacies.
 
-Four DHT keys are used per run (hivemind serialises values with msgpack):
+Five DHT keys are used per run (hivemind serialises values with msgpack):
 
 - ``worldlm_runs``: one subkey per publisher (a bootstrap node), value = :class:`ManifestRecord`.
 - ``<run_id>_progress``: one subkey per peer, value = :class:`ProgressRecord`.
@@ -8,6 +8,9 @@ Four DHT keys are used per run (hivemind serialises values with msgpack):
   region's leader lease; the election itself is in :mod:`worldlm_p2p.net.leader`).
 - ``<run_id>_residuals``: one subkey per region leader, value = :class:`ResidualRecord` (its
   region's residual embedding for a world round, :mod:`worldlm_p2p.net.world`).
+- ``<run_id>_relays``: one subkey per relay, value = :class:`RelayRecord` (a reachable node, endorsed
+  by the run key, that reduces the rounds of regions whose members are all outbound-only:
+  :mod:`worldlm_p2p.peer.relay`).
 
 Every subkey carries its owner's public key (``[owner:<rsa key>]``) and every value is signed by
 hivemind's ``RSASignatureValidator``, so no peer can write into another's subkey; the pydantic
@@ -31,10 +34,10 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from worldlm_p2p.config import RunManifest
 from worldlm_p2p.errors import ConfigError, ManifestError
-from worldlm_p2p.net.keys import RUNS_KEY, leaders_key, progress_key, residuals_key
+from worldlm_p2p.net.keys import RUNS_KEY, leaders_key, progress_key, relays_key, residuals_key
 from worldlm_p2p.net.schemas import (_MAX_STR, MAX_EMBEDDING_BYTES, MAX_LEASE_MADDRS, MAX_LOSS_TREND,  # noqa: F401
-                                     _LeaseModel, _ManifestModel, _ProgressModel, _ResidualModel, make_validators,
-                                     owner_peer_id, owner_subkey)
+                                     MAX_RELAY_REGIONS, _LeaseModel, _ManifestModel, _ProgressModel, _RelayModel,
+                                     _ResidualModel, make_validators, owner_peer_id, owner_subkey)
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +234,44 @@ class ResidualRecord:
         if not np.isfinite(np.frombuffer(parsed.embedding, dtype="<f4")).all():
             raise ValueError("embedding has non-finite values")
         return cls(**parsed.dict())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RelayRecord:
+    """A relay's offer: the groups (regions, or :data:`~worldlm_p2p.net.keys.ALL_REGIONS`) whose
+    rounds it reduces now, as an auxiliary member of their all-reduce that sends nothing of its own.
+    ``endorsement``: a certificate of the run key for this peer id and region
+    :data:`~worldlm_p2p.net.admission.RELAY_ENDORSEMENT` (a reducer of a region of outbound-only
+    members holds the whole vector, so members take only relays the run's operator named)."""
+
+    peer_id: str
+    fingerprint: str
+    regions: tuple[str, ...]
+    endorsement: dict
+    time: float
+    # not on the wire: the peer id of the key that signed the record in the DHT (set by the reader)
+    signer: str | None = field(default=None, compare=False)
+
+    def to_wire(self) -> dict[str, Any]:
+        return dict(peer_id=self.peer_id, fingerprint=self.fingerprint,
+                    regions=[str(r) for r in self.regions][:MAX_RELAY_REGIONS], endorsement=dict(self.endorsement),
+                    time=float(self.time) if math.isfinite(self.time) and self.time >= 0 else 0.0)
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "RelayRecord":
+        """Parse and validate; raises ``ValueError`` on anything malformed."""
+        if not isinstance(value, Mapping):
+            raise ValueError(f"relay record must be a map, got {type(value).__name__}")
+        try:
+            parsed = _RelayModel.parse_obj(dict(value))
+        except pydantic.ValidationError as e:
+            raise ValueError(" ".join(str(e).split())) from None
+        d = parsed.dict()
+        d["regions"] = tuple(d["regions"])
+        return cls(**d)
+
+    def signed_by(self, signer: str | None) -> "RelayRecord":
+        return dataclasses.replace(self, signer=signer)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -470,6 +511,16 @@ def publish_residual(dht, validators, run_id: str, record: ResidualRecord, *, tt
 def fetch_residuals(dht, run_id: str) -> list[ResidualRecord]:
     """Live residual-embedding records of a run (malformed ones are logged and skipped)."""
     return _fetch(dht, residuals_key(run_id), ResidualRecord.from_wire, "residual")
+
+
+def publish_relay(dht, validators, run_id: str, record: RelayRecord, *, ttl: float) -> bool:
+    return _store(dht, validators, relays_key(run_id), record.to_wire(), ttl=ttl)
+
+
+def fetch_relays(dht, run_id: str) -> list[RelayRecord]:
+    """Live relay records of a run (malformed ones are logged and skipped; endorsements are not
+    checked here: :func:`worldlm_p2p.net.admission.relay_why_not`)."""
+    return _fetch(dht, relays_key(run_id), RelayRecord.from_wire, "relay", with_signer=True)
 
 
 def _short(subkey) -> str:

@@ -112,6 +112,20 @@ class _ResidualModel(pydantic.BaseModel):
         extra = pydantic.Extra.forbid
 
 
+MAX_RELAY_REGIONS = 64  # regions one relay record may name
+
+
+class _RelayModel(pydantic.BaseModel):
+    peer_id: _Str
+    fingerprint: _Str
+    regions: pydantic.conlist(_Str, max_items=MAX_RELAY_REGIONS)  # the groups it reduces rounds for now
+    endorsement: _CertificateModel  # by the run key: this peer may relay the run's rounds
+    time: _NonNegFloat
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
 class _RunsSchema(pydantic.BaseModel):
     runs: dict[BytesWithPublicKey, _ManifestModel]
 
@@ -128,6 +142,10 @@ class _ResidualsSchema(pydantic.BaseModel):
     residuals: dict[BytesWithPublicKey, _ResidualModel]
 
 
+class _RelaysSchema(pydantic.BaseModel):
+    relays: dict[BytesWithPublicKey, _RelayModel]
+
+
 def make_validators(run_id: str | None, private_key) -> list:
     """Validators every DHT node of the run must use (also bootstrap nodes, which store records).
 
@@ -140,6 +158,7 @@ def make_validators(run_id: str | None, private_key) -> list:
         validators.append(SchemaValidator(_ProgressSchema, prefix=run_id))
         validators.append(SchemaValidator(_LeadersSchema, prefix=run_id))
         validators.append(SchemaValidator(_ResidualsSchema, prefix=run_id))
+        validators.append(SchemaValidator(_RelaysSchema, prefix=run_id))
     return validators
 
 

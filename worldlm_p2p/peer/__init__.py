@@ -18,6 +18,8 @@ checks that this map names every module).
   every member's adoption of the leader's change.
 - ``stats``: the counters, with their checkpoint and summary views derived from one definition.
 - ``events``: the structured event log (``--events``): phases and every round's outcome, as JSON lines.
+- ``relay``: the relay a bootstrap node runs with ``--relay``: the auxiliary reducer of the rounds of
+  regions whose members are all outbound-only (it holds no model; the run key endorses it).
 
 Threads: the main thread trains and owns the region's state; the world-round thread works on a
 snapshot and hands back a typed change (:mod:`.world`); the progress thread only publishes records.

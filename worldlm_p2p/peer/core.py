@@ -19,13 +19,11 @@ from typing import Any
 
 import torch
 
-from worldlm_p2p.aggregation import max_round_weight
 from worldlm_p2p.codec import json_safe
 from worldlm_p2p.config import PeerConfig, RunManifest
 from worldlm_p2p.errors import CheckpointWriteError
 from worldlm_p2p.net import barrier
 from worldlm_p2p.net.averaging import RegionAverager
-from worldlm_p2p.net.robust_allreduce import RobustSettings
 from worldlm_p2p.net.keys import ALL_REGIONS
 from worldlm_p2p import compression, rounds
 from worldlm_p2p.rounds import region_payload
@@ -36,6 +34,7 @@ from worldlm_p2p.peer.events import EventLog
 from worldlm_p2p.peer.member import Member
 from worldlm_p2p.peer.progress import Progress
 from worldlm_p2p.peer.region_round import RegionRound, gathered_tokens
+from worldlm_p2p.peer.relay import robust_settings
 from worldlm_p2p.peer.serving import StateServer
 from worldlm_p2p.peer.state import RegionState
 from worldlm_p2p.peer.stats import PeerStats
@@ -137,11 +136,7 @@ class Peer:
         self._averager = RegionAverager(tensors=template, dht=net.dht, run_id=m.run_id,
                                         region=ALL_REGIONS if self.rule.world_group else cfg.region,
                                         averaging=m.averaging, fingerprint=m.fingerprint(),
-                                        robust=RobustSettings(rule=m.aggregation.robust, clip=m.aggregation.robust_clip,
-                                                              max_weight=max_round_weight(
-                                                                  inner_steps=m.train.inner_steps,
-                                                                  batch_size=m.train.batch_size,
-                                                                  seq_len=m.train.seq_len)),
+                                        robust=robust_settings(m),
                                         should_stop=self._stop.is_set, codecs=codecs)
         self._averager.set_admitted(progress.admitted)  # an admitting region: nobody until their records are read
         self._server = StateServer(averager=self._averager, state=self._state, stats=self.stats, rule=self.rule,
@@ -174,7 +169,9 @@ class Peer:
             if world else lambda result: None,
             on_alone=self._region_of_one,
             on_refresh=lambda missed, why: joining.resync_anchor(missed, why, **parts),
-            admitted=lambda: progress.admitted, banned=progress.banned, outbound=net.outbound)
+            admitted=lambda: progress.admitted, banned=progress.banned, outbound=net.outbound,
+            relays=(lambda: progress.relays(ALL_REGIONS if self.rule.world_group else cfg.region))
+            if net.outbound else lambda: [])
         progress.start()
 
     def _region_of_one(self, no_live_peer: bool) -> None:

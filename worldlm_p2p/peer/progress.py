@@ -26,6 +26,7 @@ DHT_WAIT_STOPPING = 2.0  # ... once the peer is stopping
 
 REDIAL_EVERY = 15.0  # seconds between re-dials of the bootstrap nodes a peer is no longer connected to
 WIRE_EVERY = 10.0  # seconds between readings of the bytes on the wire (and at the summary)
+RELAYS_EVERY = 2.0  # seconds an outbound-only peer keeps the relays it read before it reads them again
 
 class Progress:
     def __init__(self, *, dht, validators, dht_lock: threading.Lock, config: PeerConfig, manifest: RunManifest,
@@ -48,6 +49,9 @@ class Progress:
         self._last_records: list[records.ProgressRecord] = []
         # the peers this one may average with, from the last records read (None: an open group)
         self.admitted: set[str] | None = set() if self._closed_group(everyone=False) else None
+        self._relays: list[str] = []  # endorsed relays serving this peer's group (relays())
+        self._relays_read = -math.inf
+        self._relays_refused: set[str] = set()
 
     def record(self) -> records.ProgressRecord:
         s, border = self.stats, self.state.border
@@ -134,6 +138,39 @@ class Progress:
         if self._closed_group(everyone=everyone):
             self.admitted = {r.peer_id for r in out}
         return out
+
+    def relays(self, group: str, *, wait: float = DHT_WAIT) -> list[str]:
+        """The peer ids of the relays that reduce ``group``'s rounds now (its averager group: the
+        region, or the whole run), endorsed by the run key (:mod:`worldlm_p2p.peer.relay`); read at
+        most every :data:`RELAYS_EVERY` seconds. An admitting group's :attr:`admitted` gains them."""
+        if time.monotonic() - self._relays_read >= RELAYS_EVERY:
+            from worldlm_p2p.net.admission import load_public_key, relay_why_not
+
+            found = self._relays
+            try:
+                with self._dht(wait):
+                    recs = records.fetch_relays(self.dht, self.manifest.run_id)
+                run_key = load_public_key(self.manifest_record.run_key, what="run key") \
+                    if self.manifest_record is not None else None
+                found = []
+                for r in recs:
+                    why = "the run key is unknown" if run_key is None else relay_why_not(
+                        r, run_key=run_key, run_id=self.manifest.run_id, fingerprint=self.manifest.fingerprint())
+                    if why is None:
+                        if group in r.regions:
+                            found.append(r.peer_id)
+                    elif r.peer_id not in self._relays_refused:
+                        self._relays_refused.add(r.peer_id)
+                        logger.warning("ignoring relay %s: %s", r.peer_id, why)
+                self._relays_read = time.monotonic()
+            except TimeoutError:
+                pass
+            except Exception as e:
+                logger.debug("could not read the relays: %s", e)
+            self._relays = sorted(found)
+        if self.admitted is not None and self._relays:
+            self.admitted |= set(self._relays)
+        return list(self._relays)
 
     def run_admitted(self) -> dict[str, str] | None:
         """The peers of the whole run admitted to the regions they claim (a peer of an open region

@@ -120,7 +120,8 @@ class RegionRound:
                  before_average: Callable[[], None], on_averaged: Callable[[RoundResult], None],
                  on_alone: Callable[[bool], None], on_refresh: Callable[[int, str], None], events: EventLog,
                  admitted: Callable[[], set[str] | None] = lambda: None, banned: set[str] | None = None,
-                 outbound: bool = False, in_flight_fetch: Callable[[], None] = lambda: None) -> None:
+                 outbound: bool = False, in_flight_fetch: Callable[[], None] = lambda: None,
+                 relays: Callable[[], list[str]] = lambda: []) -> None:
         """``before_average()``: world changes due are adopted there (main thread);
         ``in_flight_fetch()``: on the round's network path, before the barrier (a world change the
         leader announced is downloaded there); ``on_averaged(result)``: counts
@@ -130,7 +131,8 @@ class RegionRound:
         takes the region's current agreed model as its reference again, keeping its own model;
         ``admitted()``: the peers this one may average with (None: an open region); ``banned``: the
         set of banned peers, which this round adds to (shared with the barrier's record reader);
-        ``outbound``: this peer is outbound-only (a round needs a member others can dial)."""
+        ``outbound``: this peer is outbound-only (a round needs a member others can dial, or a relay:
+        ``relays()``, the endorsed relays that serve the region now, :mod:`worldlm_p2p.peer.relay`)."""
         self.rule, self.averaging, self.averager = rule, averaging, averager
         self.state, self.stats, self.member, self.server = state, stats, member, server
         self.region, self.label, self.started, self.payload_bytes = region, label, started, payload_bytes
@@ -144,6 +146,7 @@ class RegionRound:
         self._flight: _Flight | None = None  # an overlapped round in the background
         self._concluding = False  # inside _conclude: the round's index is not counted past yet
         self.in_flight_fetch = in_flight_fetch
+        self.relays = relays
 
     def run(self) -> Outcome:
         """A synchronous round: training waits for it (``aggregation.overlap`` off)."""
@@ -219,7 +222,7 @@ class RegionRound:
 
             decision = barrier.wait_for_region(my_round=s.round, fetch_others=self.fetch_others, announce=announce,
                                                timeout=self.averaging.barrier_timeout, should_stop=self.stopping,
-                                               outbound=self.outbound)
+                                               outbound=self.outbound, relayed=lambda: bool(self.relays()))
             flight.decision = decision
             missed, s.round = decision.round - s.round, decision.round
             if (missed > 0 or self._failed_last) and decision.action is not barrier.Action.ALONE \
@@ -234,7 +237,8 @@ class RegionRound:
             if flight.pre is None:  # a synchronous round: world changes due now, then the snapshot
                 self.before_average()
                 flight.pre = self.member.params()
-            flight.averaged = a = self.average(flight.pre, waiting=decision.waiting, tokens=flight.tokens)
+            flight.averaged = a = self.average(flight.pre, waiting=decision.waiting, tokens=flight.tokens,
+                                               relay=decision.relay)
             if flight.loss_of is not None and a.result.ok and not self.stopping():
                 # the member's evidence search, here on a copy of the model while training goes on
                 # (a failure leaves it to the conclusion, in the training thread)
@@ -269,7 +273,8 @@ class RegionRound:
                 if decision.live:  # (an outbound-only peer whose live region mates are all outbound-only too)
                     logger.log(level if self._was_alone else logging.WARNING,
                                "round %d: none of the %d live peers of region %s can be dialled (all outbound-only), "
-                               "so nobody can reduce a round: training on locally until a reachable peer joins",
+                               "so nobody can reduce a round: training on locally until a reachable peer joins or the run "
+                               "offers a relay (worldlm-bootstrap --relay)",
                                s.round, decision.live, self.region)
                 else:
                     logger.log(level, "round %d: no other live peer in region %s, training on locally", s.round,
@@ -308,13 +313,16 @@ class RegionRound:
         return outcome
 
     # ------------------------------------------------------------------ step 2: average
-    def average(self, pre: list[torch.Tensor], *, waiting: int, tokens: int | None = None) -> Averaged:
-        """``tokens``: what the member trained up to the snapshot ``pre`` (default: up to now)."""
+    def average(self, pre: list[torch.Tensor], *, waiting: int, tokens: int | None = None,
+                relay: bool = False) -> Averaged:
+        """``tokens``: what the member trained up to the snapshot ``pre`` (default: up to now);
+        ``relay``: every member is outbound-only, the group holds the region's relay too."""
         s, anchor = self.stats, self.state.anchor
         tokens = s.tokens_since_round if tokens is None else tokens
         weight = aggregation.round_weight(tokens)
         payload = rounds.region_payload(self.rule, pre, anchor)
-        self.averager.set_target_group_size(min(waiting + 1, self.averaging.target_group_size))
+        relays = self.relays() if relay else []  # (an admitting region admits them too)
+        self.averager.set_target_group_size(min(waiting + 1, self.averaging.target_group_size) + (1 if relays else 0))
         admitted = self.admitted()
         if admitted is not None:  # an admitting region: only the members whose records the barrier admitted
             self.averager.set_admitted(admitted)

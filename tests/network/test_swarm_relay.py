@@ -1,0 +1,60 @@
+"""A region whose members are all outbound-only averages through the bootstrap node's relay.
+
+Two peers run ``--reachability outbound`` (a volunteer behind NAT without a port forward: a DHT
+client whose averager is in hivemind's client mode); nobody else is in their region. Without a relay
+each would train alone. ``worldlm-bootstrap --relay`` joins their rounds as hivemind's auxiliary
+member: it reduces the whole vector and sends nothing of its own, so every round must equal the pure
+round function of the two members, and neither counts the relay as a member. The simulated internet
+(``tests/network/test_internet.py``) runs the same through real NAT routers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm_utils import group_of, log_tail, max_abs_diff, round_diagnosis, round_error, start_bootstrap, start_peer, \
+    summary, traces
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]  # several peer processes each
+
+
+def _exit_ok(proc, tmp, label, timeout=240):
+    try:
+        code = proc.wait(timeout=timeout)
+    except Exception:
+        raise AssertionError(f"{label} did not finish:\n{log_tail(tmp, label)}")
+    assert code == 0, f"{label} exited {code}:\n{log_tail(tmp, label)}"
+
+
+def test_outbound_only_region_averages_through_the_relay(procs, tmp_path):
+    boot, maddrs = start_bootstrap(procs, tmp_path, run_id="relay", inner_steps=5, extra=["--relay"])
+    # both wait for each other before training, and train as devices 4x slower than this CPU (by
+    # sleeping: rounds get wall time), so that the relay has seen them and offered itself before their
+    # first round
+    out = ["--reachability", "outbound", "--wait-for-peers", "2", "--slowdown", "4"]
+    a = start_peer(procs, tmp_path, maddrs, region="eu", sub="de_news-reviews-wiki", label="eu-a", max_steps=25,
+                   extra=out)
+    b = start_peer(procs, tmp_path, maddrs, region="eu", sub="es_blog-news-reviews-wiki", label="eu-b", max_steps=25,
+                   extra=out)
+    for p, label in ((a, "eu-a"), (b, "eu-b")):
+        _exit_ok(p, tmp_path, label)
+    sa, sb = summary(tmp_path, "eu-a"), summary(tmp_path, "eu-b")
+    assert sa["reachability"] == sb["reachability"] == "outbound"
+    # the relay is not a member: groups of the two peers
+    assert sa["rounds_completed"] >= 2 and set(sa["group_sizes"]) == {2}, (sa, log_tail(tmp_path, "bootstrap"))
+    assert sb["rounds_completed"] >= 2 and set(sb["group_sizes"]) == {2}, sb
+    boot_log = (tmp_path / "logs" / "bootstrap.log").read_text(errors="replace")
+    assert "every live member of eu is outbound-only" in boot_log and "round" in boot_log, boot_log[-2000:]
+
+    ta = traces(tmp_path, "eu-a")
+    rounds = sorted(r for r, t in ta.items() if t["ok"])
+    exact = 0
+    for r in rounds:
+        group = group_of(tmp_path, "eu-a", r)
+        assert {t["label"] for t in group} == {"eu-a", "eu-b"}
+        assert max_abs_diff(group[0]["pre"], group[1]["pre"]) > 1e-4  # they trained apart
+        anchors_apart = max_abs_diff(group[0]["anchor"], group[1]["anchor"])
+        err = round_error(group)
+        assert err < 0.05 and anchors_apart < 0.05, (r, err, anchors_apart, round_diagnosis(group))
+        exact += err < 1e-5 and anchors_apart < 1e-6
+    assert exact >= 2, f"only {exact} of {len(rounds)} rounds equal the pure round"
