@@ -115,7 +115,7 @@ def run_scenario(net: Internet, name: str, workdir: Path, *, steps: int, trace: 
         net.forward_port(net.router_of(host), PORT)
     procs: list[subprocess.Popen] = []
     env = peer_env()
-    before = {host: iface_bytes(net, host) for host, _, _ in peers}
+    before = {host: iface_bytes(net, host) for host, _, _ in peers + [("boot", "", "")]}
     t0 = time.monotonic()
     try:
         boot = net.popen("boot", [_bin("worldlm-bootstrap"), "--run-config", str(workdir / "run.toml"),
@@ -159,10 +159,13 @@ def run_scenario(net: Internet, name: str, workdir: Path, *, steps: int, trace: 
             except subprocess.TimeoutExpired:
                 codes[host] = None
         elapsed = time.monotonic() - t0
-        after = {host: iface_bytes(net, host) for host, _, _ in peers}
+        after = {host: iface_bytes(net, host) for host, _, _ in peers + [("boot", "", "")]}
     finally:
         stop_all(procs, grace=15.0)
-    out = dict(scenario=name, steps=steps, seconds=round(elapsed, 1), peers={})
+    out = dict(scenario=name, steps=steps, seconds=round(elapsed, 1), peers={},
+               # the bootstrap host's interface: DHT traffic, and with --relay every relayed round
+               bootstrap=dict(wire_sent=after["boot"][0] - before["boot"][0],
+                              wire_received=after["boot"][1] - before["boot"][1]))
     for host, region, _ in peers:
         try:
             s = json.loads((workdir / f"{host}.json").read_text())
@@ -236,7 +239,9 @@ def main() -> None:
         with Internet() as net:
             res = run_scenario(net, name, workdir / name, steps=args.steps, compress=args.compress)
         results.append(res)
-        print(f"{name}: {res['seconds']} s", file=sys.stderr, flush=True)
+        b = res["bootstrap"]
+        print(f"{name}: {res['seconds']} s; bootstrap host interface {b['wire_sent'] / 1e6:.2f} MB sent + "
+              f"{b['wire_received'] / 1e6:.2f} MB received", file=sys.stderr, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), steps=args.steps,
                                         results=results), indent=1))
