@@ -10,7 +10,11 @@ announced addresses include a ``/p2p-circuit`` one, and then both average ``--fl
 ``--steps`` times: ``home1`` as a full member (it reduces), ``home2`` in client mode. ``home1``
 holds 3.0, ``home2`` 1.0: an all-reduce that moved both parts gives 2.0 on both.
 
-    sudo python benchmarks/relay_probe.py [--floats 1000] [--steps 3] [--timeout 7] [--part-bytes 524288] [--quic]
+With ``--aux`` no libp2p relay is asked for: the bootstrap host runs an auxiliary averager (it
+reduces, and sends nothing of its own) and both NATed hosts are clients that dial it, what the
+product's relay does (``worldlm-bootstrap --relay``, :mod:`worldlm_p2p.peer.relay`).
+
+    sudo python benchmarks/relay_probe.py [--floats 1000] [--steps 3] [--timeout 7] [--part-bytes 524288] [--quic] [--aux]
 
 Needs root, iproute2 and iptables. Prints, per host, when its relayed address appeared (seconds
 after its daemon started) and each step's outcome; asserts nothing. What it found is in
