@@ -112,6 +112,8 @@ def monitor_view(snapshot: Mapping[str, Any]) -> RenderableType:
         head = Text.assemble((f"{region}", "bold cyan"), f"  leader {leader} · region round {reg['region_round']}"
                              f" · world round {reg['world_round'] if reg['world_round'] >= 0 else '-'}"
                              f" · loss {reg['train_loss']:.3f} ", _trend(reg["loss_trend"]))
+        if reg.get("relays"):
+            head.append(f" · relayed by {', '.join(reg['relays'])}")
         if reg.get("epsilon") is not None:
             head.append(f" · ε {reg['epsilon']:.2f}")
         if reg.get("border_epsilon") is not None:

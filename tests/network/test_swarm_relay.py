@@ -10,6 +10,8 @@ round function of the two members, and neither counts the relay as a member. The
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from swarm_utils import group_of, log_tail, max_abs_diff, round_diagnosis, round_error, start_bootstrap, start_peer, \
@@ -36,8 +38,22 @@ def test_outbound_only_region_averages_through_the_relay(procs, tmp_path):
                    extra=out)
     b = start_peer(procs, tmp_path, maddrs, region="eu", sub="es_blog-news-reviews-wiki", label="eu-b", max_steps=25,
                    extra=out)
+    # the monitor, through the bootstrap node, names the relay of eu
+    from worldlm_p2p.net.monitor import SwarmMonitor, short_id
+
+    seen: list = []
+    monitor = SwarmMonitor(initial_peers=maddrs, run_id="relay")
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not seen and (a.poll() is None or b.poll() is None):
+            seen = monitor.snapshot()["regions"].get("eu", {}).get("relays", [])
+            time.sleep(0.5)
+    finally:
+        monitor.close()
     for p, label in ((a, "eu-a"), (b, "eu-b")):
         _exit_ok(p, tmp_path, label)
+    boot_id = maddrs[0].rsplit("/p2p/", 1)[1]
+    assert seen == [short_id(boot_id)], seen
     sa, sb = summary(tmp_path, "eu-a"), summary(tmp_path, "eu-b")
     assert sa["reachability"] == sb["reachability"] == "outbound"
     # the relay is not a member: groups of the two peers

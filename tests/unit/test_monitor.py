@@ -128,6 +128,22 @@ def test_monitor_view_renders_regions_leaders_totals_and_epsilon():
     assert "no peer of this run is online" in console.export_text()
 
 
+def test_snapshot_and_view_name_the_relays_of_each_region():
+    from worldlm_p2p.net.keys import ALL_REGIONS
+    from worldlm_p2p.net.records import RelayRecord
+
+    progress = [_rec("eu-a", "eu"), _rec("eu-b", "eu"), _rec("na-a", "na")]
+    relays = [RelayRecord(peer_id="QmRelayOne111", fingerprint="f", regions=("eu",), endorsement={}, time=1.0),
+              RelayRecord(peer_id="QmRelayAll222", fingerprint="f", regions=(ALL_REGIONS,), endorsement={}, time=1.0)]
+    snap = build_snapshot(progress, [], run_id="r", now=100.0, dht_now=60.0, relays=relays)
+    assert snap["regions"]["eu"]["relays"] == ["…All222", "…One111"]
+    assert snap["regions"]["na"]["relays"] == ["…All222"]
+    assert build_snapshot(progress, [], run_id="r", now=100.0, dht_now=60.0)["regions"]["eu"]["relays"] == []
+    console = Console(record=True, width=150)
+    console.print(monitor_view(snap))
+    assert "relayed by …All222, …One111" in console.export_text()
+
+
 def test_monitor_bad_input_is_one_line(capsys):
     from worldlm_p2p.cli.monitor import main
 

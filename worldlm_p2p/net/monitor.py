@@ -24,6 +24,8 @@ plain JSON-able dict; this is the schema ``worldlm-monitor --once --json`` print
           "epsilon": 3.2 | null,           # largest DP-SGD epsilon spent by a peer (null: DP-SGD off)
           "border_epsilon": 9.1 | null,    # what the region spent at its border (null: border DP off)
           "border_releases": 12 | null,    # the border releases it composes (as the best-informed peer knows)
+          "relays": ["…d4e5f6"],           # short ids of the run's relays reducing its rounds now (its members
+                                           # are all outbound-only; endorsed by the run key), usually []
           "peers": [                       # sorted by label
             {"peer_id": "...", "short_id": "…a1b2c3", "label": "eu-de", "region": "eu",
              "step": 60, "tokens": 38400, "train_loss": 2.4, "tokens_per_s": 410.2,
@@ -59,7 +61,8 @@ from hivemind.utils.timed_storage import get_dht_time
 from worldlm_p2p.config import RunManifest
 from worldlm_p2p.net.leader import elect
 from worldlm_p2p.net.reader import RunReader
-from worldlm_p2p.net.records import LeaseRecord, ProgressRecord
+from worldlm_p2p.net.keys import ALL_REGIONS
+from worldlm_p2p.net.records import LeaseRecord, ProgressRecord, RelayRecord
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +99,14 @@ def _mean_trend(trends: Sequence[Sequence[float]]) -> list[float]:
 
 
 def build_snapshot(progress: Sequence[ProgressRecord], leases: Sequence[LeaseRecord], *, run_id: str,
-                   now: float, dht_now: float, manifest: RunManifest | None = None) -> dict[str, Any]:
+                   now: float, dht_now: float, manifest: RunManifest | None = None,
+                   relays: Sequence[RelayRecord] = ()) -> dict[str, Any]:
     """One snapshot of the run (the schema in this module's docstring). Pure.
 
     ``now``: wall-clock time (progress records carry their publisher's ``time.time()``);
     ``dht_now``: DHT time, against which lease expiry is checked. With a ``manifest``, records of
-    another manifest (a stale run under the same id) are left out.
+    another manifest (a stale run under the same id) are left out. ``relays``: the run's relay
+    records (endorsements already checked); one that names :data:`ALL_REGIONS` serves every region.
     """
     fingerprint = manifest.fingerprint() if manifest is not None else None
     if fingerprint is not None:
@@ -149,6 +154,7 @@ def build_snapshot(progress: Sequence[ProgressRecord], leases: Sequence[LeaseRec
             epsilon=max(eps) if eps else None,
             border_epsilon=most["border_epsilon"] if most is not None else None,
             border_releases=most["border_releases"] if most is not None else None,
+            relays=sorted(short_id(x.peer_id) for x in relays if region in x.regions or ALL_REGIONS in x.regions),
             peers=peers,
         )
     totals = dict(
@@ -184,8 +190,9 @@ class SwarmMonitor(RunReader):
         """Read the run's records now and build a snapshot."""
         progress = own_records(self.progress())
         leases = own_records(self.leases()) if progress else []
+        relays = self.relays() if any(r.reachability == "outbound" for r in progress) else []
         return build_snapshot(progress, leases, run_id=self.run_id, now=time.time(), dht_now=get_dht_time(),
-                              manifest=self.manifest)
+                              manifest=self.manifest, relays=relays)
 
     def wait_for_peers(self, timeout: float, *, should_stop=lambda: False, poll: float = 1.0) -> dict[str, Any] | None:
         """The first snapshot that lists at least one peer, or None after ``timeout`` seconds."""

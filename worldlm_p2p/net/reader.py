@@ -35,13 +35,15 @@ class RunReader:
         self.dht = start_dht(NetConfig(initial_peers=tuple(initial_peers)), record_validators=validators,
                              client_mode=True)
         self.manifest: RunManifest | None = None
+        self.run_key: str | None = None  # the public run key that signed the manifest (OpenSSH line)
         if manifest:
             try:
                 from worldlm_p2p.net.dht import initial_peer_ids
 
-                self.manifest = records.fetch_run_manifest(
+                found = records.fetch_run_manifest(
                     self.dht, run_id=run_id, wait=manifest_wait if run_id is None else min(manifest_wait, 2.0),
-                    trusted_key=run_key, anchors=initial_peer_ids(initial_peers)).manifest
+                    trusted_key=run_key, anchors=initial_peer_ids(initial_peers))
+                self.manifest, self.run_key = found.manifest, found.run_key
             except ManifestError:
                 if run_id is None:
                     self.close()
@@ -62,6 +64,17 @@ class RunReader:
 
     def leases(self) -> list[LeaseRecord]:
         return records.fetch_leases(self.dht, self.run_id)
+
+    def relays(self) -> list[records.RelayRecord]:
+        """The run's relays that the run key endorses (none without the manifest: nothing to check
+        their endorsements against)."""
+        if self.manifest is None or not self.run_key:
+            return []
+        from worldlm_p2p.net.admission import load_public_key, relay_why_not
+
+        key = load_public_key(self.run_key, what="run key")
+        return [r for r in records.fetch_relays(self.dht, self.run_id)
+                if relay_why_not(r, run_key=key, run_id=self.run_id, fingerprint=self.manifest.fingerprint()) is None]
 
     @property
     def peer_id(self) -> str:
