@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from swarm_utils import group_of, log_tail, max_abs_diff, round_diagnosis, round_error, start_bootstrap, start_peer, \
-    summary, traces
+from swarm_utils import (admit, group_of, log_tail, max_abs_diff, round_diagnosis, round_error, start_bootstrap,
+                         start_peer, summary, traces, wait_for)
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]  # several peer processes each
 
@@ -28,16 +28,31 @@ def _exit_ok(proc, tmp, label, timeout=240):
     assert code == 0, f"{label} exited {code}:\n{log_tail(tmp, label)}"
 
 
-def test_outbound_only_region_averages_through_the_relay(procs, tmp_path):
-    boot, maddrs = start_bootstrap(procs, tmp_path, run_id="relay", inner_steps=5, extra=["--relay"])
+@pytest.mark.parametrize("region", ["open", "admitting"])
+def test_outbound_only_region_averages_through_the_relay(procs, tmp_path, region):
+    # "admitting": eu admits only peers with a certificate of its key; the relay has none, and is
+    # taken because the run key endorses it (the members add it to the peers they average with)
+    table, flags = admit(tmp_path, run_id="relay", region="eu", labels=["eu-a", "eu-b"]) \
+        if region == "admitting" else ("", {"eu-a": [], "eu-b": []})
+    boot, maddrs = start_bootstrap(procs, tmp_path, run_id="relay", inner_steps=5, extra=["--relay"], tables=table)
+    rogue_id = None
+    if region == "admitting":
+        # a rogue relay: a genuine bootstrap node of the same manifest with --relay, but signing with a
+        # key that is not the run's; the members must ignore it and their rounds must not suffer
+        rogue = procs.start(["worldlm_p2p.cli.bootstrap", "--run-config", str(tmp_path / "run.toml"), "--host-maddrs",
+                             "/ip4/127.0.0.1/tcp/0", "--initial-peers", *maddrs, "--run-key",
+                             str(tmp_path / "rogue.key"), "--relay"], log=tmp_path / "logs" / "rogue.log")
+        wait_for(lambda: "is serving" in (tmp_path / "logs" / "rogue.log").read_text(errors="replace"), 120,
+                 "the rogue relay to serve")
+        rogue_id = (tmp_path / "logs" / "rogue.log").read_text().split("bootstrap node ", 1)[1].split()[0]
     # both wait for each other before training, and train as devices 4x slower than this CPU (by
     # sleeping: rounds get wall time), so that the relay has seen them and offered itself before their
     # first round
     out = ["--reachability", "outbound", "--wait-for-peers", "2", "--slowdown", "4"]
     a = start_peer(procs, tmp_path, maddrs, region="eu", sub="de_news-reviews-wiki", label="eu-a", max_steps=25,
-                   extra=out)
+                   extra=out + flags["eu-a"])
     b = start_peer(procs, tmp_path, maddrs, region="eu", sub="es_blog-news-reviews-wiki", label="eu-b", max_steps=25,
-                   extra=out)
+                   extra=out + flags["eu-b"])
     # the monitor, through the bootstrap node, names the relay of eu
     from worldlm_p2p.net.monitor import SwarmMonitor, short_id
 
@@ -59,6 +74,10 @@ def test_outbound_only_region_averages_through_the_relay(procs, tmp_path):
     # the relay is not a member: groups of the two peers
     assert sa["rounds_completed"] >= 2 and set(sa["group_sizes"]) == {2}, (sa, log_tail(tmp_path, "bootstrap"))
     assert sb["rounds_completed"] >= 2 and set(sb["group_sizes"]) == {2}, sb
+    if rogue_id is not None:
+        for label in ("eu-a", "eu-b"):
+            log = (tmp_path / "logs" / f"{label}.log").read_text(errors="replace")
+            assert f"ignoring relay {rogue_id}" in log and "run key" in log, log_tail(tmp_path, label, 40)
     boot_log = (tmp_path / "logs" / "bootstrap.log").read_text(errors="replace")
     assert "every live member of eu is outbound-only" in boot_log and "round" in boot_log, boot_log[-2000:]
 

@@ -168,7 +168,7 @@ def relay_why_not(record, *, run_key, run_id: str, fingerprint: str, now: float 
     except ValueError as e:
         return f"malformed endorsement ({e})"
     why = check(cert, region_key=run_key, run_id=run_id, region=RELAY_ENDORSEMENT, peer_id=record.peer_id, now=now)
-    return None if why is None else why.replace("region's key", "run key")
+    return None if why is None else why.replace("region's key", "run key").replace("the certificate", "its endorsement")
 
 
 class RegionAdmission:
