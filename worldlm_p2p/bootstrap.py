@@ -232,14 +232,13 @@ class BootstrapNode:
         # the first rewrites come sooner (5 s, 10 s, 20 s, ...): peers join in the first minute
         step = min(5.0, remember_period)
         next_manifest, next_remember = time.monotonic() + manifest_period, time.monotonic() + step
-        relay_period = self.relay.poll if self.relay is not None else math.inf
         next_relay = time.monotonic() if self.relay is not None else math.inf
         while not self._stop.wait(max(0.05, min(next_manifest, next_remember, next_relay, time.monotonic() + 3600)
                                       - time.monotonic())):
             now = time.monotonic()
             if now >= next_relay:
                 self.relay.tick_safely()
-                next_relay = time.monotonic() + relay_period
+                next_relay = time.monotonic() + self.relay.next_poll
             if now >= next_manifest:
                 next_manifest = now + manifest_period
                 try:

@@ -415,6 +415,14 @@ def world_payload(rule: RoundRule, region_params: Sequence[torch.Tensor]) -> lis
     return [p.detach().to(torch.float32) for p in region_params]
 
 
+def world_codecs(rule: RoundRule, payload: Sequence[torch.Tensor]) -> list[str] | None:
+    """The wire codec of each tensor of a leader's world payload (``aggregation.compress_world``, as
+    it travels: :func:`worldlm_p2p.compression.effective_codec`); None for float32."""
+    if rule.config.compress_world == "none":
+        return None
+    return [compression.effective_codec(rule.config.compress_world, t.numel()) for t in payload]
+
+
 def border_shared(rule: RoundRule) -> tuple[int, ...]:
     """Indices of the parameters whose change a region shares at the border in a world round: the
     backbone B (``hierfavg``: the whole model, which it averages across regions)."""
@@ -515,8 +523,8 @@ def world_round(rule: RoundRule, regions: Mapping[str, Sequence[torch.Tensor]],
     other regions fetch of it (its served residual and sketch) is computed from what it sent."""
     names = sorted(regions)
     sent = sent or {}
-    averaged = group_average(rule, [world_payload(rule, sent.get(r, regions[r])) for r in names],
-                             [tokens[r] for r in names])
+    payloads = [world_payload(rule, sent.get(r, regions[r])) for r in names]
+    averaged = group_average(rule, payloads, [tokens[r] for r in names], codecs=world_codecs(rule, payloads[0]))
     models, ks, weights_out, fetched_out = {}, {}, {}, {}
     for r in names:
         models[r], ks[r] = world_backbone(rule, averaged, regions[r])

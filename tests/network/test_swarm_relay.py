@@ -49,9 +49,9 @@ def test_outbound_only_region_averages_through_the_relay(procs, tmp_path, region
     # sleeping: rounds get wall time), so that the relay has seen them and offered itself before their
     # first round
     out = ["--reachability", "outbound", "--wait-for-peers", "2", "--slowdown", "4"]
-    a = start_peer(procs, tmp_path, maddrs, region="eu", sub="de_news-reviews-wiki", label="eu-a", max_steps=25,
+    a = start_peer(procs, tmp_path, maddrs, region="eu", sub="de_news-reviews-wiki", label="eu-a", max_steps=40,
                    extra=out + flags["eu-a"])
-    b = start_peer(procs, tmp_path, maddrs, region="eu", sub="es_blog-news-reviews-wiki", label="eu-b", max_steps=25,
+    b = start_peer(procs, tmp_path, maddrs, region="eu", sub="es_blog-news-reviews-wiki", label="eu-b", max_steps=40,
                    extra=out + flags["eu-b"])
     # the monitor, through the bootstrap node, names the relay of eu
     from worldlm_p2p.net.monitor import SwarmMonitor, short_id

@@ -38,7 +38,8 @@ def _region(n_members=3, seed=0, scale=0.2):
 def _exact(**settings) -> RoundRule:
     """A rule of the shipped defaults with ``settings``, its payload on the wire in float32: the
     round's math without the codec (tested apart, below)."""
-    return RoundRule.of(SPLIT, compress_backbone="none", compress_key="none", **settings)
+    return RoundRule.of(SPLIT, **{"compress_backbone": "none", "compress_key": "none", "compress_world": "none",
+                                  **settings})
 
 
 def _close(xs, ys, atol=1e-6):
@@ -205,6 +206,28 @@ def test_world_round_hierfavg_is_the_token_weighted_mean():
         _close(m, mean)
 
 
+def test_world_round_compressed_in_fp16_is_the_mean_of_the_fp16_models_encoded_once_more():
+    from worldlm_p2p.rounds import world_codecs
+
+    regions, tokens = _regions(seed=4)
+    exact = world_round(_exact(robust="mean", strategy="hierfavg"), regions, tokens)
+    rule = _exact(robust="mean", strategy="hierfavg", compress_world="fp16")
+    assert RoundRule.of(SPLIT).config.compress_world == "fp16"  # the default
+    assert world_codecs(_exact(robust="mean", strategy="hierfavg"), regions["eu"]) is None
+    assert world_codecs(rule, regions["eu"]) == ["fp16"] * len(regions["eu"])
+    res = world_round(rule, regions, tokens)
+    # independent reference: each leader's model as fp16 carries it, the weighted mean, in fp16 again
+    names = sorted(regions)
+    halves = [[t.half().float() for t in regions[r]] for r in names]
+    ref = [t.half().float() for t in weighted_mean(halves, [tokens[r] for r in names])]
+    for m in res.models.values():
+        _close(m, ref)
+    # ... within fp16's relative precision of the float32 round, not equal to it
+    diff = max(float((a - b).abs().max()) for a, b in zip(res.models["eu"], exact.models["eu"]))
+    scale = max(float(t.abs().max()) for t in exact.models["eu"])
+    assert 0 < diff <= 2 * 2 ** -11 * scale
+
+
 def test_world_round_worldlm_without_residual():
     regions, tokens = _regions()
     res = world_round(_exact(robust="mean", strategy="worldlm", residual=False), regions, tokens)
@@ -361,10 +384,12 @@ def test_world_round_averages_what_was_sent_and_keeps_each_region_k():
     sent = {r: border_release(rule, models[r], ref, clip=0.1, noise_multiplier=0.5,
                               generator=torch.Generator().manual_seed(i))[0] for i, r in enumerate(sorted(models))}
     out = world_round(rule, models, tokens, sent=sent)
-    mean = weighted_mean([sent["eu"], sent["na"]], [3.0, 1.0])
+    # (world rounds travel in fp16 by default: each released model, and the mean, as fp16 carries them)
+    assert rule.config.compress_world == "fp16"
+    mean = weighted_mean([[t.half().float() for t in sent[r]] for r in ("eu", "na")], [3.0, 1.0])
     for r in models:
         for i in rule.split.backbone:
-            assert torch.allclose(out.models[r][i], mean[i], atol=1e-6)
+            assert torch.allclose(out.models[r][i], mean[i].half().float(), atol=1e-6)
     plain = world_round(rule, models, tokens)
     assert not torch.allclose(plain.models["eu"][0], out.models["eu"][0])
 

@@ -72,6 +72,8 @@ FLAGS = (
                                              "or int8"),
     Flag("aggregation", "compress_key", "how a region round's encoded key-layer change travels: none, fp16 or "
                                         "int8"),
+    Flag("aggregation", "compress_world", "how a leader's region model travels in a world round: fp16 (default) "
+                                          "or none (float32)"),
     Flag("aggregation", "overlap", "overlap each region round with the next H local steps: its result is applied at "
          "the next round, one round stale, with the progress made meanwhile (as an overlapping swarm does)"),
 )

@@ -203,6 +203,11 @@ class AggregationConfig:
     - ``compress_backbone`` / ``compress_key``: how a region round's payload travels, per tensor
       role: the backbone's change since the anchor, and the key layers' encoded change (``none``:
       float32; ``fp16``, the default; ``int8``: uniform 8-bit; :mod:`worldlm_p2p.compression`).
+    - ``compress_world``: how a leader's region model travels in the leaders' all-reduce of a world
+      round (``fp16``, the default; ``none``: float32). Unlike a region round's payload it is the
+      model itself, not a change since a common anchor (leaders may hold different world rounds), so
+      fp16 moves each value of the world mean by up to about 5e-4 of it; measured level with float32
+      in perplexity (``benchmarks/RESULTS.md``, issue 14), at half the leaders' bytes.
     - ``overlap``: a region round runs in the background on a snapshot of the member's model while
       the next H inner steps train; its result is applied at the next round, one round stale, with
       the local progress made meanwhile kept (:func:`worldlm_p2p.rounds.stale_apply`; as in
@@ -245,6 +250,7 @@ class AggregationConfig:
     robust_clip: float = 4.0
     compress_backbone: WireCodec = "fp16"
     compress_key: WireCodec = "fp16"
+    compress_world: WireCodec = "fp16"
     overlap: bool = False
     schedule: RoundSchedule = "steps"
 
@@ -288,7 +294,7 @@ class AggregationConfig:
         _require(isinstance(self.overlap, bool), "aggregation.overlap", "must be true or false")
         _require(self.schedule in ROUND_SCHEDULES, "aggregation.schedule",
                  f"{self.schedule!r} is not one of {', '.join(ROUND_SCHEDULES)}")
-        for name in ("compress_backbone", "compress_key"):
+        for name in ("compress_backbone", "compress_key", "compress_world"):
             _require(getattr(self, name) in WIRE_CODECS, f"aggregation.{name}",
                      f"{getattr(self, name)!r} is not one of {', '.join(WIRE_CODECS)}")
 

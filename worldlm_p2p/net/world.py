@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 from hivemind.utils.timed_storage import get_dht_time
 
-from worldlm_p2p import rounds
+from worldlm_p2p import compression, rounds
 from worldlm_p2p.aggregation import allreduce_traffic
 from worldlm_p2p.config import AveragingConfig
 from worldlm_p2p.net import records
@@ -71,10 +71,14 @@ class WorldExchange:
         self.rule, self.averaging, self.record_ttl = rule, averaging, record_ttl
         # the leaders' all-reduce applies the run's robust rule too; a leader's weight (its region's
         # tokens since the last world round) has no cap a leader could check
-        self.averager = RegionAverager(tensors=rounds.world_payload(rule, template), dht=dht, run_id=run_id,
+        payload = rounds.world_payload(rule, template)
+        codecs = rounds.world_codecs(rule, payload)  # (None: float32)
+        self.averager = RegionAverager(tensors=payload, dht=dht, run_id=run_id,
                                        region=LEADERS_GROUP, averaging=averaging, fingerprint=fingerprint,
-                                       robust=RobustSettings(rule=rule.config.robust, clip=rule.config.robust_clip))
-        self._payload_bytes = sum(t.numel() * 4 for t in template)
+                                       robust=RobustSettings(rule=rule.config.robust, clip=rule.config.robust_clip),
+                                       codecs=codecs)
+        self._payload_bytes = sum(compression.nominal_bytes(t.numel(), c)
+                                  for t, c in zip(payload, codecs or ["none"] * len(payload)))
 
     def shutdown(self) -> None:
         try:

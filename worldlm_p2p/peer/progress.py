@@ -27,6 +27,7 @@ DHT_WAIT_STOPPING = 2.0  # ... once the peer is stopping
 REDIAL_EVERY = 15.0  # seconds between re-dials of the bootstrap nodes a peer is no longer connected to
 WIRE_EVERY = 10.0  # seconds between readings of the bytes on the wire (and at the summary)
 RELAYS_EVERY = 2.0  # seconds an outbound-only peer keeps the relays it read before it reads them again
+RELAYS_EVERY_NONE = 0.5  # ... when it knew of none (a relay offers itself once it sees the region need one)
 
 class Progress:
     def __init__(self, *, dht, validators, dht_lock: threading.Lock, config: PeerConfig, manifest: RunManifest,
@@ -142,8 +143,9 @@ class Progress:
     def relays(self, group: str, *, wait: float = DHT_WAIT) -> list[str]:
         """The peer ids of the relays that reduce ``group``'s rounds now (its averager group: the
         region, or the whole run), endorsed by the run key (:mod:`worldlm_p2p.peer.relay`); read at
-        most every :data:`RELAYS_EVERY` seconds. An admitting group's :attr:`admitted` gains them."""
-        if time.monotonic() - self._relays_read >= RELAYS_EVERY:
+        most every :data:`RELAYS_EVERY` seconds (:data:`RELAYS_EVERY_NONE` while it knows of none). An
+        admitting group's :attr:`admitted` gains them."""
+        if time.monotonic() - self._relays_read >= (RELAYS_EVERY if self._relays else RELAYS_EVERY_NONE):
             from worldlm_p2p.net.admission import load_public_key, relay_why_not
 
             found = self._relays

@@ -138,8 +138,14 @@ class RegionRelay:
         self._averagers.clear()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.poll):
+        while not self._stop.wait(self.next_poll):
             self.tick_safely()
+
+    @property
+    def next_poll(self) -> float:
+        """Seconds until the next look (``poll``: a region's members, once all outbound-only, should
+        not go on alone for long before the relay offers itself)."""
+        return self.poll
 
     def tick_safely(self) -> None:
         """:meth:`tick`, logging (never raising) what went wrong: a bad read never stops the relay."""
