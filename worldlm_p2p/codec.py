@@ -44,6 +44,16 @@ def _fits(tensors: Sequence[torch.Tensor], template: Sequence[torch.Tensor]) -> 
         isinstance(t, torch.Tensor) and t.shape == s.shape for t, s in zip(tensors, template))
 
 
+def _narrow(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp16 when that loses nothing (every value an fp16 number), else as it is; the
+    decoder reads every tensor back as float32."""
+    if t.dtype == torch.float32:
+        half = t.half()
+        if torch.equal(half.float(), t):
+            return half
+    return t
+
+
 def _cpu(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().to("cpu", torch.float32).clone() for t in tensors]
 
@@ -77,7 +87,8 @@ class ServedState:
         """``(metadata, tensors)``: the metadata's counts describe the flat tensor list."""
         c = self.change
         ref = list(c.reference) if c is not None and c.reference is not None else []
-        tensors = list(self.agreed) + list(self.momentum) + (list(c.delta) if c else []) + ref
+        # a world change whose values are all fp16 numbers (rounds.hand_down) travels in fp16, losslessly
+        tensors = list(self.agreed) + list(self.momentum) + ([_narrow(d) for d in c.delta] if c else []) + ref
         meta = dict(n_momentum=len(self.momentum), n_delta=len(c.delta) if c else 0,
                     delta_world_round=c.world_round if c else -1, delta_apply_round=c.apply_round if c else -1,
                     delta_source=c.source if c else "", border_history=list(self.border_history), n_ref=len(ref),

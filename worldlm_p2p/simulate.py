@@ -38,8 +38,9 @@ from worldlm_p2p.aggregation import allreduce_traffic, max_round_weight, round_w
 from worldlm_p2p.config import AggregationConfig, ModelConfig, PrivacyConfig, TokenizerSpec, TrainConfig, _require
 from worldlm_p2p.errors import ConfigError, DataError
 from worldlm_p2p.privacy import BorderAccountant
-from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, member_world_mix, mix_parts_record,
-                               payload_codecs, region_payload, region_round_with_anchor, stale_apply, world_round)
+from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, hand_down, member_world_mix,
+                               mix_parts_record, payload_codecs, region_payload, region_round_with_anchor, stale_apply,
+                               world_round)
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.strategies import strategy as strategy_of
 from worldlm_p2p.strategies import with_border_dp
@@ -112,8 +113,9 @@ def _perplexity(loss: float) -> float:
         return math.inf
 
 
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * 4 for t in tensors)  # float32 on the wire
+def _nbytes(tensors, wire: str = "none") -> int:
+    """Bytes of ``tensors`` on the wire in codec ``wire`` (``none``: float32)."""
+    return sum(compression.nominal_bytes(t.numel(), wire) for t in tensors)
 
 
 class Simulator:
@@ -300,7 +302,8 @@ class Simulator:
         for r in self.regions:
             leader = self._leader(r)
             members = [p for p in self.peers if p.region == r]
-            leader.bytes_sent_border += allreduce_traffic(model_bytes, len(self.regions))[0]
+            leader.bytes_sent_border += allreduce_traffic(_nbytes(anchors[r], wire=rule.config.compress_world),
+                                                          len(self.regions))[0]
             if rule.residual_exchange and len(self.regions) > 1:
                 # the published embedding, and the residual every region that fetched it downloaded
                 # (world attention: of the whole model)
@@ -308,11 +311,12 @@ class Simulator:
                 res_bytes = model_bytes if rule.world_attention else key_bytes
                 leader.bytes_sent_border += n_res * rule.config.residual_dim * 4
                 leader.bytes_sent_border += res_bytes * sum(r in need for need in result.fetched.values())
-            leader.bytes_sent_region += model_bytes * (len(members) - 1)  # members download the new model
-            # members rebase onto the world result: they add its change of the region model to their
-            # own (with personal key layers a member's model is not the region's anchor)
-            delta = [n - a for n, a in zip(result.models[r], anchors[r])]
-            anchors[r] = result.models[r]
+            # members rebase onto the world result: they add its change of the region model, as the leader
+            # hands it down, to their own (with personal key layers a member's model is not the region's
+            # anchor), and the region's anchor takes it whole
+            delta = hand_down(rule, result.models[r], anchors[r])
+            leader.bytes_sent_region += _nbytes(delta, wire=rule.config.compress_world) * (len(members) - 1)
+            anchors[r] = [a + d for a, d in zip(anchors[r], delta)]
             for p in members:
                 model, choice = member_world_mix(rule, own=get_flat_params(p.model), change=delta,
                                                  loss_of=self._loss_of(p), own_loss=p.tune_loss)

@@ -91,7 +91,7 @@ def test_a_region_of_natted_peers_only_averages_through_the_bootstrap_relay(tmp_
     # with --relay and reduces their rounds (without it each would train alone: benchmarks/internet.py
     # scenario natonly)
     with netns_internet.Internet() as net:
-        res = internet.run_scenario(net, "relayed", tmp_path, steps=40, trace=True, timeout=360)
+        res = internet.run_scenario(net, "relayed", tmp_path, steps=60, trace=True, timeout=360)
     peers = res["peers"]
 
     def log(host: str) -> str:
@@ -104,7 +104,8 @@ def test_a_region_of_natted_peers_only_averages_through_the_bootstrap_relay(tmp_
     boot = (tmp_path / "bootstrap.log").read_text(errors="replace")
     assert "every live member of eu is outbound-only" in boot, boot[-3000:]
     rounds = sorted(r for r, t in traces(tmp_path, "home1").items() if t["ok"])
-    assert len(rounds) >= 6, (peers["home1"], log("home1"), boot[-2000:])
+    # 12 rounds; the first ones may go alone while the relay sees the two and offers itself
+    assert len(rounds) >= 8, (peers["home1"], log("home1"), boot[-2000:])
     inexact = []
     for r in rounds:
         group = group_of(tmp_path, "home1", r)

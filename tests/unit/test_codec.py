@@ -90,6 +90,27 @@ def _broken(what):
     return meta, tensors
 
 
+def test_a_world_change_in_fp16_numbers_travels_in_fp16_and_comes_back_equal():
+    from worldlm_p2p.rounds import RoundRule, hand_down
+    from worldlm_p2p.split import split_parameters
+
+    split = split_parameters(["a", "b", "c"], "*b*")
+    model, anchor = _t(5, TEMPLATE), _t(6, TEMPLATE)
+    exact = hand_down(RoundRule.of(split, compress_world="none"), model, anchor)
+    half = hand_down(RoundRule.of(split, compress_world="fp16"), model, anchor)
+    for e, h, m, a in zip(exact, half, model, anchor):
+        assert torch.equal(e, m - a) and torch.equal(h, (m - a).half().float()) and not torch.equal(h, e)
+    for delta, dtype in ((half, torch.float16), (exact, torch.float32)):
+        state = ServedState(round=8, world_round=3, agreed=_t(0, TEMPLATE), momentum=[], change=WorldChange(
+            world_round=4, delta=delta, apply_round=9, source="leader"))
+        meta, tensors = _wire(state)
+        assert all(t.dtype == dtype for t in tensors[3:6])  # on the wire: fp16 only where nothing is lost
+        assert all(t.dtype == torch.float32 for t in tensors[:3])  # (the agreed model: as it is)
+        back = _decode(meta, tensors)
+        assert all(t.dtype == torch.float32 for t in back.change.delta)
+        _same(back.change.delta, delta)
+
+
 @pytest.mark.parametrize("what, reason", [
     ("fingerprint", "another run manifest"), ("count", "counts"), ("total", "holds 9 tensors, not the 10"),
     ("shape", "shapes"), ("nan", "not finite"), ("inf_delta", "not finite"), ("type", "n_delta is not an integer"),

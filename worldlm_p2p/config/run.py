@@ -207,7 +207,8 @@ class AggregationConfig:
       round (``fp16``, the default; ``none``: float32). Unlike a region round's payload it is the
       model itself, not a change since a common anchor (leaders may hold different world rounds), so
       fp16 moves each value of the world mean by up to about 5e-4 of it; measured level with float32
-      in perplexity (``benchmarks/RESULTS.md``, issue 14), at half the leaders' bytes.
+      in perplexity (``benchmarks/RESULTS.md``, issue 14), at half the leaders' bytes. The world
+      change handed down to the members goes in the same codec (:func:`worldlm_p2p.rounds.hand_down`).
     - ``overlap``: a region round runs in the background on a snapshot of the member's model while
       the next H inner steps train; its result is applied at the next round, one round stale, with
       the local progress made meanwhile kept (:func:`worldlm_p2p.rounds.stale_apply`; as in
@@ -294,9 +295,12 @@ class AggregationConfig:
         _require(isinstance(self.overlap, bool), "aggregation.overlap", "must be true or false")
         _require(self.schedule in ROUND_SCHEDULES, "aggregation.schedule",
                  f"{self.schedule!r} is not one of {', '.join(ROUND_SCHEDULES)}")
-        for name in ("compress_backbone", "compress_key", "compress_world"):
+        for name in ("compress_backbone", "compress_key"):
             _require(getattr(self, name) in WIRE_CODECS, f"aggregation.{name}",
                      f"{getattr(self, name)!r} is not one of {', '.join(WIRE_CODECS)}")
+        # (a world payload is a model, not a change: 8 bits over its range would lose it)
+        _require(self.compress_world in ("none", "fp16"), "aggregation.compress_world",
+                 f"{self.compress_world!r} is not one of none, fp16")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

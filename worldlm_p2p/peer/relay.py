@@ -166,6 +166,7 @@ class RegionRelay:
             for g in set(served) - set(self.served):
                 logger.info("relay: every live member of %s is outbound-only (%d): reducing its rounds", g,
                             len(groups[g]))
+                self._averager(g)  # now, not at its first round: its process takes a moment to start
             for g in set(self.served) - set(served):
                 logger.info("relay: %s no longer needs a relay", g)
             self.served = served

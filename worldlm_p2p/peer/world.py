@@ -175,7 +175,7 @@ class WorldRounds:
         if not out.ok:
             logger.warning("world round %d failed (%s); the region keeps its model", w, out.error)
             return
-        delta = [n.to(torch.float32) - a for n, a in zip(out.model, snapshot)]
+        delta = rounds.hand_down(self.rule, out.model, snapshot)
         ref = ([out.world[i].to(torch.float32).clone() for i in rounds.border_shared(self.rule)]
                if self.state.border is not None else None)
         self._finished = _Finished(world_round=out.world_round, delta=delta, reference=ref, bytes_sent=out.bytes_sent,
