@@ -92,6 +92,15 @@ def start_peer(procs: Procs, tmp: Path, maddrs: list[str], *, region: str, sub: 
     return procs.start(args, log=tmp / "logs" / f"{label}.log")
 
 
+def exit_ok(proc: subprocess.Popen, tmp: Path, label: str, timeout: float = 240) -> None:
+    """``proc`` (the peer ``label``) exits with 0 within ``timeout`` seconds; else its log's tail."""
+    try:
+        code = proc.wait(timeout=timeout)
+    except Exception:
+        raise AssertionError(f"{label} did not finish:\n{log_tail(tmp, label)}")
+    assert code == 0, f"{label} exited {code}:\n{log_tail(tmp, label)}"
+
+
 def summary(tmp: Path, label: str) -> dict:
     return json.loads((tmp / f"{label}.json").read_text())
 

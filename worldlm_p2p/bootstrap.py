@@ -181,6 +181,8 @@ class BootstrapNode:
             # ticked by serve(), in the main thread: hivemind forks an averager from there only
             self.relay = RegionRelay(dht=self._dht, validators=self._validators, manifest=cfg.manifest,
                                      run_key=self.run_key)
+            if not self.relay.rule.strategy.averages:
+                logger.warning("--relay: strategy %s never averages; nothing to relay", self.relay.rule.strategy.name)
         return visible_maddrs(self._dht)
 
     @property

@@ -14,6 +14,7 @@ prefix unique to this process and are removed at the end. Skipped where they can
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import pytest
@@ -29,14 +30,17 @@ pytestmark = [pytest.mark.network, pytest.mark.slow]
 WHY = netns_internet.unavailable()
 
 
+def _log_tail(workdir, host: str) -> str:
+    return "\n".join((workdir / f"{host}.log").read_text(errors="replace").splitlines()[-20:])
+
+
 @pytest.mark.skipif(WHY is not None, reason=f"no simulated internet here: {WHY}")
 def test_two_peers_behind_two_nats_and_a_public_peer_average_in_one_region(tmp_path):
     with netns_internet.Internet() as net:
         res = internet.run_scenario(net, "nat", tmp_path, steps=60, trace=True, timeout=420)
     peers = res["peers"]
 
-    def log(host: str) -> str:
-        return "\n".join((tmp_path / f"{host}.log").read_text(errors="replace").splitlines()[-20:])
+    log = functools.partial(_log_tail, tmp_path)
 
     for host, p in peers.items():
         assert p["exit"] == 0, f"{host} exited {p['exit']}:\n{log(host)}"
@@ -94,8 +98,7 @@ def test_a_region_of_natted_peers_only_averages_through_the_bootstrap_relay(tmp_
         res = internet.run_scenario(net, "relayed", tmp_path, steps=60, trace=True, timeout=360)
     peers = res["peers"]
 
-    def log(host: str) -> str:
-        return "\n".join((tmp_path / f"{host}.log").read_text(errors="replace").splitlines()[-20:])
+    log = functools.partial(_log_tail, tmp_path)
 
     for host in ("home1", "home2"):
         p = peers[host]

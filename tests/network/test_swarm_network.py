@@ -14,18 +14,11 @@ import signal
 import pytest
 import torch
 
-from swarm_utils import (ProgressReader, alive, descendants, group_of, log_tail, max_abs_diff, process_group, round_diagnosis, round_error,
+from swarm_utils import (exit_ok, ProgressReader, alive, descendants, group_of, log_tail, max_abs_diff, process_group, round_diagnosis, round_error,
                          start_bootstrap, start_peer, summary, trace, traces, wait_for)
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]  # several peer processes each
 
-
-def _exit_ok(proc, tmp, label, timeout=240):
-    try:
-        code = proc.wait(timeout=timeout)
-    except Exception:
-        raise AssertionError(f"{label} did not finish:\n{log_tail(tmp, label)}")
-    assert code == 0, f"{label} exited {code}:\n{log_tail(tmp, label)}"
 
 
 def test_region_rounds_equal_the_pure_round_and_regions_stay_apart(procs, tmp_path):
@@ -39,7 +32,7 @@ def test_region_rounds_equal_the_pure_round_and_regions_stay_apart(procs, tmp_pa
                    max_steps=25, extra=["--reachability", "outbound"])
     n = start_peer(procs, tmp_path, maddrs, region="na", sub="en_email", label="na-a", max_steps=25)
     for p, label in ((a, "eu-a"), (b, "eu-b"), (n, "na-a")):
-        _exit_ok(p, tmp_path, label)
+        exit_ok(p, tmp_path, label)
 
     sa, sb, sn = summary(tmp_path, "eu-a"), summary(tmp_path, "eu-b"), summary(tmp_path, "na-a")
     assert sa["rounds_completed"] >= 2 and 2 in sa["group_sizes"], sa
@@ -138,7 +131,7 @@ def test_late_joiner_loads_region_model_and_killed_peer_does_not_stall(procs, tm
     for p in (a, c, d):
         p.send_signal(signal.SIGTERM)
     for p, label in ((a, "a"), (c, "c"), (d, "d")):
-        _exit_ok(p, tmp_path, label, timeout=90)
+        exit_ok(p, tmp_path, label, timeout=90)
     sa, sd = summary(tmp_path, "a"), summary(tmp_path, "d")
     assert sa["steps"] > steps_at_kill
     assert sd["started_from"] == "region" and sd["rounds_completed"] >= 2
@@ -156,14 +149,14 @@ def test_checkpoint_resume_and_corrupt_fallback(procs, tmp_path):
     ck = tmp_path / "ck"
     common = ["--checkpoint-dir", str(ck), "--checkpoint-every", "5"]
     p = start_peer(procs, tmp_path, maddrs, region="solo", sub="eu/nl_news", label="s", max_steps=12, extra=common)
-    _exit_ok(p, tmp_path, "s")
+    exit_ok(p, tmp_path, "s")
     s1 = summary(tmp_path, "s")
     assert s1["steps"] == 12 and s1["initial_step"] == 0
     assert sorted(f.name for f in ck.glob("ckpt-*.pt")) == ["ckpt-000000005.pt", "ckpt-000000010.pt",
                                                              "ckpt-000000012.pt"]
 
     p = start_peer(procs, tmp_path, maddrs, region="solo", sub="eu/nl_news", label="s", max_steps=20, extra=common)
-    _exit_ok(p, tmp_path, "s")
+    exit_ok(p, tmp_path, "s")
     s2 = summary(tmp_path, "s")
     assert s2["started_from"] == "checkpoint" and s2["initial_step"] == 12 and s2["steps"] == 20
     assert s2["tokens"] == 20 * 4 * 64
@@ -171,7 +164,7 @@ def test_checkpoint_resume_and_corrupt_fallback(procs, tmp_path):
     newest = ck / "ckpt-000000020.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated, e.g. by a full disk
     p = start_peer(procs, tmp_path, maddrs, region="solo", sub="eu/nl_news", label="s", max_steps=22, extra=common)
-    _exit_ok(p, tmp_path, "s")
+    exit_ok(p, tmp_path, "s")
     s3 = summary(tmp_path, "s")
     assert s3["initial_step"] == 15 and s3["steps"] == 22
     log = (tmp_path / "logs" / "s.log").read_text()

@@ -14,18 +14,11 @@ import time
 
 import pytest
 
-from swarm_utils import (admit, group_of, log_tail, max_abs_diff, round_diagnosis, round_error, start_bootstrap,
+from swarm_utils import (exit_ok, admit, group_of, log_tail, max_abs_diff, round_diagnosis, round_error, start_bootstrap,
                          start_peer, summary, traces, wait_for)
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]  # several peer processes each
 
-
-def _exit_ok(proc, tmp, label, timeout=240):
-    try:
-        code = proc.wait(timeout=timeout)
-    except Exception:
-        raise AssertionError(f"{label} did not finish:\n{log_tail(tmp, label)}")
-    assert code == 0, f"{label} exited {code}:\n{log_tail(tmp, label)}"
 
 
 @pytest.mark.parametrize("region", ["open", "admitting"])
@@ -66,7 +59,7 @@ def test_outbound_only_region_averages_through_the_relay(procs, tmp_path, region
     finally:
         monitor.close()
     for p, label in ((a, "eu-a"), (b, "eu-b")):
-        _exit_ok(p, tmp_path, label)
+        exit_ok(p, tmp_path, label)
     boot_id = maddrs[0].rsplit("/p2p/", 1)[1]
     assert seen == [short_id(boot_id)], seen
     sa, sb = summary(tmp_path, "eu-a"), summary(tmp_path, "eu-b")

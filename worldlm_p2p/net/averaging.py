@@ -252,18 +252,22 @@ class RegionAverager(DecentralizedAverager):
             return dict(self._shared_meta), list(self._shared_tensors), None
 
     # ------------------------------------------------------------------ group size
-    def set_target_group_size(self, size: int, *, timeout: float = 5.0) -> None:
+    def set_target_group_size(self, size: int, *, exact: bool = False, timeout: float = 5.0) -> None:
         """Close the next group as soon as ``size`` peers joined, instead of waiting for the whole
         matchmaking window. The region barrier knows how many peers wait for the round; the
-        window remains the bound when one of them does not show up (and when this fails: logged)."""
+        window remains the bound when one of them does not show up (and when this fails: logged).
+        ``exact`` (a relay, the group's only leader): a window that ends with fewer peers disbands
+        the group and matchmaking goes on until the averaging timeout (a relay with one member
+        would average that member with itself)."""
+        size = max(int(size), self._min_group_size)
         try:
-            hivemind_compat.call_in_averager(self, "_set_target_group_size", max(int(size), self._min_group_size),
+            hivemind_compat.call_in_averager(self, "_set_target_group_size", size, size if exact else None,
                                              timeout=timeout)
         except Exception as e:  # an older or changed hivemind: fall back to the full matchmaking window
             hivemind_compat.warn_once("setting the matchmaking group size", e)
 
-    async def _set_target_group_size(self, size: int, future) -> None:  # runs in the averager process
-        hivemind_compat.set_matchmaking_group_size(self, size)
+    async def _set_target_group_size(self, size: int, minimum, future) -> None:  # runs in the averager process
+        hivemind_compat.set_matchmaking_group_size(self, size, minimum=minimum)
         future.set_result(None)
 
     # ------------------------------------------------------------------ rounds

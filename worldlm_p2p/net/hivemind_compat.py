@@ -69,10 +69,13 @@ def call_in_averager(averager: Any, method: str, *args: Any, timeout: float, **k
     return future.result(timeout=timeout)
 
 
-def set_matchmaking_group_size(averager: Any, size: int) -> None:
-    """Inside the averager's process: close the next group as soon as ``size`` peers joined."""
+def set_matchmaking_group_size(averager: Any, size: int, *, minimum: int | None = None) -> None:
+    """Inside the averager's process: close the next group as soon as ``size`` peers joined; with
+    ``minimum``, a leader whose window ends with fewer disbands the group and looks again."""
     averager._matchmaking.target_group_size = size
     averager._matchmaking.potential_leaders.target_group_size = size
+    if minimum is not None:
+        averager._matchmaking.min_group_size = minimum
 
 
 def p2p_of(averager: Any) -> Any:

@@ -45,6 +45,17 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------- records
 
 
+def _parse(model, value: Any, what: str):
+    """``value`` validated by the pydantic ``model`` of a ``what`` record; ``ValueError`` (one line)
+    for anything else."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{what} record must be a map, got {type(value).__name__}")
+    try:
+        return model.parse_obj(dict(value))
+    except pydantic.ValidationError as e:
+        raise ValueError(" ".join(str(e).split())) from None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProgressRecord:
     """What a peer tells the swarm about itself every few seconds."""
@@ -122,12 +133,7 @@ class ProgressRecord:
     @classmethod
     def from_wire(cls, value: Any) -> "ProgressRecord":
         """Parse and validate; raises ``ValueError`` on anything malformed."""
-        if not isinstance(value, Mapping):
-            raise ValueError(f"progress record must be a map, got {type(value).__name__}")
-        try:
-            parsed = _ProgressModel.parse_obj(dict(value))
-        except pydantic.ValidationError as e:
-            raise ValueError(" ".join(str(e).split())) from None
+        parsed = _parse(_ProgressModel, value, "progress")
         d = parsed.dict()
         d["loss_trend"] = tuple(d["loss_trend"])
         return cls(**d)
@@ -170,12 +176,7 @@ class LeaseRecord:
     @classmethod
     def from_wire(cls, value: Any) -> "LeaseRecord":
         """Parse and validate; raises ``ValueError`` on anything malformed."""
-        if not isinstance(value, Mapping):
-            raise ValueError(f"lease record must be a map, got {type(value).__name__}")
-        try:
-            parsed = _LeaseModel.parse_obj(dict(value))
-        except pydantic.ValidationError as e:
-            raise ValueError(" ".join(str(e).split())) from None
+        parsed = _parse(_LeaseModel, value, "lease")
         d = parsed.dict()
         d["maddrs"] = tuple(d["maddrs"])
         return cls(**d)
@@ -223,12 +224,7 @@ class ResidualRecord:
         """Parse and validate (shape and finiteness too); raises ``ValueError`` on anything malformed."""
         import numpy as np
 
-        if not isinstance(value, Mapping):
-            raise ValueError(f"residual record must be a map, got {type(value).__name__}")
-        try:
-            parsed = _ResidualModel.parse_obj(dict(value))
-        except pydantic.ValidationError as e:
-            raise ValueError(" ".join(str(e).split())) from None
+        parsed = _parse(_ResidualModel, value, "residual")
         if len(parsed.embedding) != 4 * parsed.layers * parsed.dim:
             raise ValueError(f"embedding has {len(parsed.embedding)} bytes, expected 4 x {parsed.layers} x {parsed.dim}")
         if not np.isfinite(np.frombuffer(parsed.embedding, dtype="<f4")).all():
@@ -260,12 +256,7 @@ class RelayRecord:
     @classmethod
     def from_wire(cls, value: Any) -> "RelayRecord":
         """Parse and validate; raises ``ValueError`` on anything malformed."""
-        if not isinstance(value, Mapping):
-            raise ValueError(f"relay record must be a map, got {type(value).__name__}")
-        try:
-            parsed = _RelayModel.parse_obj(dict(value))
-        except pydantic.ValidationError as e:
-            raise ValueError(" ".join(str(e).split())) from None
+        parsed = _parse(_RelayModel, value, "relay")
         d = parsed.dict()
         d["regions"] = tuple(d["regions"])
         return cls(**d)

@@ -95,7 +95,6 @@ class RegionRelay:
         self.failed = defaultdict(int)
         self._published = 0.0
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ what needs a relay
     def groups(self, recs: list[records.ProgressRecord]) -> dict[str, list[records.ProgressRecord]]:
@@ -114,20 +113,9 @@ class RegionRelay:
         return len(live) >= 2 and all(r.reachability == "outbound" for r in live)
 
     # ------------------------------------------------------------------ loop
-    def start(self) -> None:
-        """Run :meth:`tick` every ``poll`` seconds in a thread. (A process whose main thread is free
-        calls :meth:`tick` itself instead: hivemind starts an averager's process from the main
-        thread only, so a relay started here makes its averagers at once, for ``groups``.)"""
-        if not self.rule.strategy.averages:
-            logger.info("relay: strategy %s never averages; nothing to relay", self.rule.strategy.name)
-            return
-        self._thread = threading.Thread(target=self._loop, name="region-relay", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self) -> None:
+        """Let the rounds in flight end (a few seconds at most) and shut the averagers down."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=timeout)
         for t in list(self._busy.values()):
             t.join(timeout=RegionAverager.STOP_GRACE + 1.0)
         for a in self._averagers.values():
@@ -137,10 +125,6 @@ class RegionRelay:
                 logger.debug("relay averager shutdown: %s", e)
         self._averagers.clear()
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.next_poll):
-            self.tick_safely()
-
     @property
     def next_poll(self) -> float:
         """Seconds until the next look (``poll``: a region's members, once all outbound-only, should
@@ -148,7 +132,9 @@ class RegionRelay:
         return self.poll
 
     def tick_safely(self) -> None:
-        """:meth:`tick`, logging (never raising) what went wrong: a bad read never stops the relay."""
+        """:meth:`tick`, logging (never raising) what went wrong: a bad read never stops the relay. The
+        owner calls it every :attr:`next_poll` seconds from its main thread (hivemind forks an
+        averager's process from the main thread only)."""
         if not self.rule.strategy.averages or self._stop.is_set():
             return
         try:
@@ -215,7 +201,7 @@ class RegionRelay:
               admitted: list[str] | None) -> None:
         if admitted is not None:
             averager.set_admitted(admitted)
-        averager.set_target_group_size(min(members, self.manifest.averaging.target_group_size) + 1)
+        averager.set_target_group_size(min(members, self.manifest.averaging.target_group_size) + 1, exact=True)
         result = averager.relay_round(gather=dict(label="relay", round=round_index))
         if result.ok:
             self.rounds[group] += 1
