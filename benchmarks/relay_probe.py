@@ -106,6 +106,18 @@ def _home(role: str, floats: int, steps: int, timeout: float, part_bytes: int, q
     dht.shutdown()
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group ``proc`` leads (started with ``start_new_session``)."""
+    import os
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--floats", type=int, default=1000, help="numbers each peer averages (float32)")
@@ -132,6 +144,7 @@ def main() -> None:
         boot = net.popen("boot", [sys.executable, __file__, "--role", "boot", net.address("boot"), str(int(args.quic)),
                                   str(args.floats if args.aux else 0), str(args.timeout), str(args.part_bytes)],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        homes: list[subprocess.Popen] = []
         try:
             maddrs = [m for m in boot.stdout.readline().decode().split() if net.address("boot") in m]
             homes = [net.popen(h, [sys.executable, __file__, "--role", h, str(args.floats), str(args.steps),
@@ -142,9 +155,10 @@ def main() -> None:
                 try:
                     p.wait(timeout=420 + (5 * args.timeout + 40) * args.steps)
                 except subprocess.TimeoutExpired:
-                    p.kill()
+                    _kill_group(p)
         finally:
-            boot.kill()
+            for p in [boot, *homes]:
+                _kill_group(p)  # its DHT and averager processes and p2p daemons too, not the interpreter alone
 
 
 if __name__ == "__main__":
