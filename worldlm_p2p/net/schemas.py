@@ -4,7 +4,8 @@ a value) and the validators a node runs: signatures, and the schema of each key
 
 from __future__ import annotations
 
-from typing import Optional
+import collections
+from typing import Callable, Optional
 
 import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
@@ -146,6 +147,71 @@ class _RelaysSchema(pydantic.BaseModel):
     relays: dict[BytesWithPublicKey, _RelayModel]
 
 
+#: records whose validation a DHT node remembers (each memo holds at most this many, about 2 KB each)
+VALIDATION_MEMO = 2048
+
+
+class _Memo:
+    """What ``validate`` said of the last :data:`VALIDATION_MEMO` records, by the record's whole
+    content (key, subkey, value with its signature, expiration time). A DHT node receives the same
+    record many times: a read gathers it from several of the nodes that store it, and every read
+    until its owner renews it gets it again; with 16 peers, validating those copies (an RSA
+    signature and a pydantic model each) took about half of a peer's DHT process (py-spy,
+    ``benchmarks/perf.py --scale``). A validator is a pure function of the record, so the answer for
+    the same bytes is the same. Plain data: the validators travel to the DHT's process by pickling."""
+
+    def __init__(self, size: int = VALIDATION_MEMO) -> None:
+        self.size = size
+        self.seen: collections.OrderedDict = collections.OrderedDict()
+
+    def check(self, record, validate: Callable) -> bool:
+        key = (record.key, record.subkey, record.value, record.expiration_time)
+        try:
+            hit = self.seen.get(key)
+        except TypeError:  # (an unhashable field: never from the wire; validate as it is)
+            return bool(validate(record))
+        if hit is not None:
+            self.seen.move_to_end(key)
+            return hit
+        ok = bool(validate(record))
+        self.seen[key] = ok
+        if len(self.seen) > self.size:
+            self.seen.popitem(last=False)
+        return ok
+
+    def clear(self) -> None:
+        self.seen.clear()
+
+
+class MemoSignatureValidator(RSASignatureValidator):
+    """hivemind's signature validator, remembering its answers (:class:`_Memo`)."""
+
+    def __init__(self, private_key=None, *, memo: int = VALIDATION_MEMO) -> None:
+        super().__init__(private_key)
+        self._memo = _Memo(memo)
+
+    def validate(self, record) -> bool:
+        return self._memo.check(record, super().validate)
+
+
+class MemoSchemaValidator(SchemaValidator):
+    """hivemind's schema validator, remembering its answers (:class:`_Memo`); forgotten when
+    another schema merges into it (the answers may change)."""
+
+    def __init__(self, schema, *, memo: int = VALIDATION_MEMO, **kwargs) -> None:
+        super().__init__(schema, **kwargs)
+        self._memo = _Memo(memo)
+
+    def validate(self, record) -> bool:
+        return self._memo.check(record, super().validate)
+
+    def merge_with(self, other) -> bool:
+        merged = super().merge_with(other)
+        if merged:
+            self._memo.clear()
+        return merged
+
+
 def make_validators(run_id: str | None, private_key) -> list:
     """Validators every DHT node of the run must use (also bootstrap nodes, which store records).
 
@@ -153,12 +219,12 @@ def make_validators(run_id: str | None, private_key) -> list:
     The first two validators (signature, run manifests) do not depend on ``run_id``; the run's own
     schemas follow them, so a node that learns the run id later adds ``make_validators(...)[2:]``.
     """
-    validators: list = [RSASignatureValidator(private_key), SchemaValidator(_RunsSchema, prefix=RUNS_PREFIX)]
+    validators: list = [MemoSignatureValidator(private_key), MemoSchemaValidator(_RunsSchema, prefix=RUNS_PREFIX)]
     if run_id is not None:
-        validators.append(SchemaValidator(_ProgressSchema, prefix=run_id))
-        validators.append(SchemaValidator(_LeadersSchema, prefix=run_id))
-        validators.append(SchemaValidator(_ResidualsSchema, prefix=run_id))
-        validators.append(SchemaValidator(_RelaysSchema, prefix=run_id))
+        validators.append(MemoSchemaValidator(_ProgressSchema, prefix=run_id))
+        validators.append(MemoSchemaValidator(_LeadersSchema, prefix=run_id))
+        validators.append(MemoSchemaValidator(_ResidualsSchema, prefix=run_id))
+        validators.append(MemoSchemaValidator(_RelaysSchema, prefix=run_id))
     return validators
 
 
