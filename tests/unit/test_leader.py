@@ -196,10 +196,37 @@ def test_dead_leader_expires_within_one_ttl(swarm):
     swarm.clock.t += 5.9  # a died after its renewal; b keeps renewing
     b.renew()
     assert b.leader().peer_id == "a"
-    swarm.clock.t += 0.2  # a's lease ran out: b elects itself even before its next refresh
-    assert b.leader().peer_id == "b" and b.is_leader()
+    swarm.clock.t += 0.2  # a's record ran out: a no longer leads in its own view ...
+    assert not a.is_leader()
+    assert b.leader().peer_id == "a"  # ... and b takes over at its first refresh after that
     b.renew()
-    assert b.is_leader()
+    assert b.leader().peer_id == "b" and b.is_leader()
+
+
+def test_a_leader_renewing_late_is_not_given_up_before_the_dht_says_so(swarm):
+    """A member whose last read is a period old does not give the lease up by the clock alone: the
+    leader's renewal may be late by a second (a busy machine) and already in the DHT."""
+    a, _ = swarm.lease("a", since=1.0, ttl=6.0)
+    b, _ = swarm.lease("b", since=2.0, ttl=6.0)
+    a.renew(), b.renew()
+    swarm.clock.t += 6.5  # b's view of a has run out by the clock; a renewed late, a moment ago
+    a.renew()
+    assert b.leader().peer_id == "a" and not b.is_leader()
+    b.renew()
+    assert b.leader().peer_id == "a" and a.is_leader()
+
+    def busy(*args, **kwargs):
+        raise TimeoutError("the DHT did not answer")
+
+    b._dht.get = busy  # b's reads fail (its renewals go through) and a dies
+    for _ in range(3):
+        swarm.clock.t += 2.0
+        b.renew()
+    assert b.leader().peer_id == "a"  # a's record ran out by the clock, not yet a TTL ago
+    for _ in range(4):
+        swarm.clock.t += 2.0
+        b.renew()
+    assert b.leader().peer_id == "b"  # no refresh for more than a TTL: b judges a by the clock
 
 
 def test_withdraw_hands_over_at_once_and_a_return_queues_behind(swarm):
@@ -302,7 +329,9 @@ def test_a_newcomer_claiming_an_old_lease_is_aged_from_when_it_was_first_seen(sw
     b, _ = swarm.lease("b", since=swarm.clock.t + 1)
     a.renew(), b.renew(), a.renew()
     assert a.leader().peer_id == b.leader().peer_id == "a"
-    swarm.clock.t += 100.0
+    for _ in range(50):  # 100 s of renewals
+        swarm.clock.t += 2.0
+        a.renew(), b.renew()
     mallory, _ = swarm.lease("mallory", since=0.0)  # claims to have been a candidate since time 0
     mallory.renew()
     a.renew(), b.renew()
@@ -333,3 +362,54 @@ def test_a_refused_leader_is_counted_no_more_by_the_peer_that_refused_it(swarm):
     assert a.leader().peer_id == "a" and b.leader().peer_id == "mallory"
     a.refuse("a")
     assert a.is_leader()
+
+
+def test_standby_peers_renew_nothing_and_step_in_when_the_candidates_ahead_die(swarm):
+    """With standby = 2 only the two oldest candidates renew; the election is the one every peer
+    makes when all renew; when both die, the next in line publishes at its next renewal and leads."""
+    with pytest.raises(ValueError):
+        swarm.lease("x", standby=0)
+    leases = {pid: swarm.lease(pid, since=float(i + 1), ttl=6.0, standby=2)[0] for i, pid in enumerate("abcde")}
+    data = leases["a"]._dht.data
+
+    def period(alive):  # one renewal period (ttl / 3) of the peers still alive
+        swarm.clock.t += 2.0
+        for p in alive:
+            leases[p].renew()
+
+    def live_subkeys():
+        return sum(1 for entries in data.values() for _, e in entries.values() if e > swarm.clock.t)
+
+    period("abcde")  # nobody known yet: everyone publishes
+    period("abcde")
+    assert [p for p, lease in leases.items() if lease.standing_by()] == ["c", "d", "e"]
+    for _ in range(4):  # the standbys' first records run out; only a and b keep theirs
+        period("abcde")
+        assert all(lease.leader().peer_id == "a" for lease in leases.values())
+    assert live_subkeys() == 2
+    # a and b die: once their records have run out, c, d and e see fewer than 2 ahead and publish;
+    # at the renewal after, e (third in line) stands by again, and c leads
+    for _ in range(4):
+        period("cde")
+    assert {leases[p].leader().peer_id for p in "cde"} == {"c"} and leases["c"].is_leader()
+    assert [p for p in "cde" if leases[p].standing_by()] == ["e"]
+    period("cde"), period("cde"), period("cde")
+    assert live_subkeys() == 2
+
+
+def test_a_leader_whose_record_ran_out_queues_behind_instead_of_taking_the_lease_back(swarm):
+    a, _ = swarm.lease("a", since=1.0, ttl=6.0)
+    b, _ = swarm.lease("b", since=2.0, ttl=6.0)
+    a.renew(), b.renew()
+    assert a.is_leader()
+    for _ in range(4):  # a's renewals are late (a busy machine): its record runs out, b takes over
+        swarm.clock.t += 2.0
+        b.renew()
+    assert b.is_leader()
+    a.renew()  # a is back: it publishes again, but with a new since, behind b
+    b.renew()
+    assert b.is_leader() and a.leader().peer_id == "b" and not a.is_leader()
+    assert a._since == pytest.approx(swarm.clock.t)
+    swarm.clock.t += 2.0
+    a.renew(), b.renew()
+    assert a.leader().peer_id == b.leader().peer_id == "b"

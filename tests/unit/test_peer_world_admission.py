@@ -16,7 +16,7 @@ def _lease(peer, region, *, since=1.0, signer="same"):
 
 def _rounds(leases, admitted):
     w = WorldRounds.__new__(WorldRounds)  # the election view only: no DHT, no lease thread
-    w.lease = SimpleNamespace(leases=lambda: leases)
+    w.lease = SimpleNamespace(live=lambda: leases)  # (unexpired: 4e9)
     w.manifest = SimpleNamespace(fingerprint=lambda: FP)
     w.peer_id, w._run_admitted = "me", admitted
     return w

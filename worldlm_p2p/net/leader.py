@@ -18,11 +18,24 @@ That rule over records that expire unless renewed *is* an expiring lease:
   candidate. A leader that can no longer renew sees its own record expire at the same moment
   (:meth:`LeaderLease.is_leader` evaluates expiry when called), so two peers do not both act as
   leader for long;
+- a candidate whose record ran out before it renewed (a busy machine, a DHT that did not answer)
+  comes back with ``since`` = now, behind the candidates that kept theirs: the next in line, which
+  took over meanwhile, keeps the lease (with its old ``since`` it would take it back, and the
+  leadership would flap);
 - a peer that leaves on purpose calls :meth:`LeaderLease.withdraw`, which publishes a record that
   has already expired (``expires = now``): the others re-elect at their next refresh instead of
   waiting for the TTL;
 - a region without a leader (all candidates gone, or records not yet propagated) keeps training and
   holding region rounds; it only misses the world rounds, which need a leader.
+
+With ``standby = k`` a peer publishes its candidacy only while fewer than ``k`` live candidates of
+its region rank before it (as :func:`elect` ranks them): the leader and the next ``k - 1`` in line
+renew, the others stand by and read. Every candidacy is a signed DHT store that each of its replicas
+validates, so a region of ``n`` peers that all renew costs ``n`` stores per period where ``k`` do
+(measured: ``benchmarks/perf.py --idle``); the election is the same, since the peers that stand by
+rank after the ``k`` that renew. When a candidate dies, every peer that stood by sees fewer than
+``k`` ahead of it at its next renewal and publishes; those that find themselves beyond ``k`` again
+at the renewal after stop renewing, and their records expire.
 
 Consistency is eventual: for a moment after a change two peers may disagree (one has not refreshed
 yet); callers must treat leadership as a hint that holds for about one TTL, not as a lock. Expiry is
@@ -53,6 +66,11 @@ def _rank(record: LeaseRecord) -> tuple:
             tuple(record.maddrs))
 
 
+def elect_live(live: Sequence[LeaseRecord], *, region: str, fingerprint: str | None = None) -> LeaseRecord | None:
+    """:func:`elect` among records already judged live (:meth:`LeaderLease.live`)."""
+    return elect(live, region=region, now=-math.inf, fingerprint=fingerprint)
+
+
 def elect(candidates: Sequence[LeaseRecord], *, region: str, now: float,
           fingerprint: str | None = None) -> LeaseRecord | None:
     """Pure election rule: the unexpired (``expires > now``) candidate of ``region`` (and of
@@ -77,16 +95,22 @@ class LeaderLease:
     def __init__(self, *, dht, validators, run_id: str, region: str, peer_id: str, fingerprint: str,
                  ttl: float = 6.0, renew_every: float | None = None, lock: threading.Lock | None = None,
                  since: float | None = None, maddrs: Sequence[str] = (), world_round: int = -1,
-                 admitted: Callable[[], set[str] | None] = lambda: None) -> None:
+                 admitted: Callable[[], set[str] | None] = lambda: None, standby: int | None = None) -> None:
         """``admitted()``: the peers of the region that may lead it (None: any, an open region); an
         admitting region's members count only the candidacies of admitted peers, signed in the
-        DHT by the key of the peer id they name."""
+        DHT by the key of the peer id they name. ``standby``: publish only while fewer than this many
+        live candidates of the region rank before this peer (None: always; see the module's
+        docstring)."""
         if not (math.isfinite(ttl) and ttl > 0):
             raise ValueError(f"lease ttl must be a positive number of seconds, got {ttl}")
         renew_every = ttl / 3 if renew_every is None else renew_every
         if not (0 < renew_every < ttl):
             raise ValueError(f"renew_every must be in (0, ttl={ttl}), got {renew_every}: a lease renewed "
                              "less often than it expires lapses between renewals")
+        if standby is not None and not (isinstance(standby, int) and standby >= 1):
+            raise ValueError(f"standby must be a whole number >= 1, got {standby!r}")
+        self._standby = standby
+        self._stood_by = False  # whether the last renewal stood by (its record left to run out)
         self._dht = dht
         self._validators = validators
         self.run_id = run_id
@@ -115,6 +139,7 @@ class LeaderLease:
         self._first_seen: dict[tuple[str, float], float] = {}
         self._age_tolerance = 3 * self.ttl
         self._refreshed_once = False
+        self._refreshed_at = -math.inf  # DHT time at which the last successful refresh began
         self._last_leader: str | None = None  # peer id of the leader at the last refresh (for logging)
         self._stop = threading.Event()
         self._stopped = False
@@ -207,10 +232,28 @@ class LeaderLease:
             own = (self._published,) if self._published is not None else ()
             return list(self._others + own)
 
+    def live(self) -> list[LeaseRecord]:
+        """The candidacies this peer counts as live now: its own while its record has not run out
+        (judged now), the others' as the last refresh found them, unexpired at that refresh (or a
+        TTL ago, when no refresh has succeeded since). A record that runs out after a refresh is
+        given up at the next refresh, when the DHT confirms it was not renewed: judged by the clock
+        alone, a leader whose renewal was a second late on a busy machine looked dead to the members
+        that had read it a period earlier, and each of them took the lease for a moment (measured
+        with 16 peers on 2 cores: leaders flapping every few seconds)."""
+        now = get_dht_time()
+        with self._state_lock:
+            others, own, at = self._others, self._published, self._refreshed_at
+        judged = max(at, now - self.ttl)
+        out = [r for r in others if r.expires > judged]
+        if own is not None and own.expires > now:
+            out.append(own)
+        return out
+
     def leader(self) -> LeaseRecord | None:
-        """The region's leader according to the last refresh, with expiry judged now: a leader whose
-        record ran out since the last refresh is no longer returned."""
-        return elect(self.leases(), region=self.region, now=get_dht_time(), fingerprint=self.fingerprint)
+        """The region's leader among :meth:`live` candidacies: a leader whose own record ran out is
+        no longer leader at once, in its own view; the others see the next candidate lead from
+        their first refresh after that."""
+        return elect_live(self.live(), region=self.region, fingerprint=self.fingerprint)
 
     def is_leader(self) -> bool:
         """Whether this peer holds the lease now (never after :meth:`stop`, nor once its own record
@@ -227,7 +270,9 @@ class LeaderLease:
         re-read the region's records and return the elected leader. Never raises on DHT errors."""
         with self._publish_lock:
             record = None
-            if self._eligible:
+            standing_by = self._eligible and self.standing_by()
+            if self._eligible and not standing_by:
+                self._queue_behind_if_lapsed()
                 record = self._record(expires=get_dht_time() + self.ttl)
             elif self._withdrawal_pending:
                 record = self._record(expires=get_dht_time())
@@ -236,7 +281,9 @@ class LeaderLease:
                     self._withdrawal_pending = False
                 with self._state_lock:
                     self._published = record
+            self._stood_by = standing_by
         try:
+            started = get_dht_time()  # (the records the DHT returns were live then)
             with self._dht_lock:
                 fetched = fetch_leases(self._dht, self.run_id)
         except Exception as e:  # hivemind raises many kinds on a failing or shut-down DHT
@@ -247,11 +294,36 @@ class LeaderLease:
             others = [self._aged(r, now) for r in fetched if r.peer_id != self.peer_id and r.peer_id not in self._refused and (
                 admitted is None or r.region != self.region or (r.peer_id in admitted and r.signer == r.peer_id))]
             with self._state_lock:
-                self._others = tuple(others)
+                self._others, self._refreshed_at = tuple(others), started
             self._refreshed_once = True
         current = self.leader()
         self._note(current)
         return current
+
+    def _queue_behind_if_lapsed(self) -> None:
+        """A candidacy whose last record ran out before this renewal (renewals late: a busy machine,
+        a DHT that did not answer) starts again with ``since`` = now, behind the candidates that
+        kept theirs: the next in line has taken over in the meantime, and a leader that came back
+        with its old ``since`` would take the lease back from it (measured: leases flapping every
+        10-20 s with 16 peers on 2 cores). A record left to run out on purpose (standing by) keeps
+        its ``since``."""
+        own, now = self._published, get_dht_time()
+        if own is None or self._stood_by or own.since != self._since or own.expires > now:
+            return
+        logger.info("region %s: this peer's leader candidacy ran out %.1fs before its renewal; it queues behind "
+                    "the other candidates", self.region, now - own.expires)
+        self._since = now
+
+    def standing_by(self) -> bool:
+        """Whether this candidate skips its renewal: ``standby`` live candidates of its region rank
+        before it in the last refresh (never before the first refresh: a peer that knows nobody
+        publishes)."""
+        if self._standby is None or not self._refreshed_once or self._since is None:
+            return False
+        me = (self._since, self.peer_id)
+        ahead = sum(1 for r in self.live() if r.peer_id != self.peer_id and r.region == self.region
+                    and r.fingerprint == self.fingerprint and math.isfinite(r.since) and (r.since, r.peer_id) < me)
+        return ahead >= self._standby
 
     def _aged(self, record: LeaseRecord, now: float) -> LeaseRecord:
         """``record`` with its ``since`` bounded by what this peer observed: no earlier than when it

@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from hivemind.utils.timed_storage import get_dht_time
 
 from worldlm_p2p import rounds
 from worldlm_p2p.codec import WorldChange
 from worldlm_p2p.config import PeerConfig, RunManifest
-from worldlm_p2p.net.leader import LeaderLease, elect
+from worldlm_p2p.net.leader import LeaderLease, elect_live
 
 from worldlm_p2p.peer.events import EventLog
 from worldlm_p2p.peer.member import Member
@@ -33,6 +32,10 @@ from worldlm_p2p.peer.stats import PeerStats
 
 logger = logging.getLogger(__name__)
 
+#: a region's leader and the next candidates in line renew their leases; the other members stand by
+#: (:class:`~worldlm_p2p.net.leader.LeaderLease`'s ``standby``): a failover needs one candidate in
+#: line, and every renewal is a signed DHT store that its replicas validate
+LEASE_CANDIDATES = 3
 WORLD_PATIENCE_ROUNDS = 6  # a leader looks for the other leaders for up to this many all-reduce timeouts
 
 
@@ -78,7 +81,8 @@ class WorldRounds:
         m = manifest
         self.lease = LeaderLease(dht=dht, validators=validators, run_id=m.run_id, region=config.region,
                                  peer_id=peer_id, fingerprint=m.fingerprint(), ttl=m.averaging.leader_ttl,
-                                 lock=dht_lock, world_round=stats.world_round, admitted=admitted)
+                                 lock=dht_lock, world_round=stats.world_round, admitted=admitted,
+                                 standby=LEASE_CANDIDATES)
         self.outbound = outbound
         if outbound or (state.border is not None and state.world_ref is None):
             # a late joiner does not know the last world model, the reference of border deltas:
@@ -93,11 +97,11 @@ class WorldRounds:
         """The regions with a live leader (where some region admits: leaders admitted to theirs, whose
         lease is signed by their own key), the leaders a world round waits for."""
         admitted = self._run_admitted
-        leases = [r for r in self.lease.leases() if admitted is None or r.peer_id == self.peer_id
+        leases = [r for r in self.lease.live() if admitted is None or r.peer_id == self.peer_id
                   or (admitted.get(r.peer_id) == r.region and r.signer == r.peer_id)]
-        now, fp = get_dht_time(), self.manifest.fingerprint()
+        fp = self.manifest.fingerprint()
         return sum(1 for region in {r.region for r in leases}
-                   if elect(leases, region=region, now=now, fingerprint=fp) is not None)
+                   if elect_live(leases, region=region, fingerprint=fp) is not None)
 
     # ------------------------------------------------------------------ leader side
     def count(self, tokens: float) -> None:
