@@ -54,3 +54,16 @@ def test_a_schema_merged_in_clears_the_memo():
     assert v._memo.seen
     other = schemas.make_validators("run", RSAPrivateKey())[2]
     assert v.merge_with(other) and not v._memo.seen
+
+
+def test_the_memo_keeps_digests_not_records_and_tells_every_field_apart():
+    m = schemas._Memo(8)
+    base = DHTRecord(key=b"k", subkey=b"s", value=b"v" * 100_000, expiration_time=1.0)
+    variants = [base, dataclasses.replace(base, key=b"k2"), dataclasses.replace(base, subkey=None),
+                dataclasses.replace(base, subkey=b""), dataclasses.replace(base, value=b"v" * 99_999 + b"w"),
+                dataclasses.replace(base, expiration_time=1.0 + 1e-9),
+                DHTRecord(key=b"ks", subkey=b"", value=base.value, expiration_time=1.0)]  # (no concatenation clash)
+    assert len({m.digest(r) for r in variants}) == len(variants)
+    for r in variants:
+        m.check(r, lambda rec: True)
+    assert all(isinstance(k, bytes) and len(k) == 16 for k in m.seen)

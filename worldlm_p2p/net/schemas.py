@@ -5,6 +5,8 @@ a value) and the validators a node runs: signatures, and the schema of each key
 from __future__ import annotations
 
 import collections
+import hashlib
+import struct
 from typing import Callable, Optional
 
 import pydantic.v1 as pydantic
@@ -147,13 +149,13 @@ class _RelaysSchema(pydantic.BaseModel):
     relays: dict[BytesWithPublicKey, _RelayModel]
 
 
-#: records whose validation a DHT node remembers (each memo holds at most this many, about 2 KB each)
+#: records whose validation a DHT node remembers (each memo holds at most this many digests)
 VALIDATION_MEMO = 2048
 
 
 class _Memo:
-    """What ``validate`` said of the last :data:`VALIDATION_MEMO` records, by the record's whole
-    content (key, subkey, value with its signature, expiration time). A DHT node receives the same
+    """What ``validate`` said of the last :data:`VALIDATION_MEMO` records, by a digest of the
+    record's whole content (key, subkey, value with its signature, expiration time). A DHT node receives the same
     record many times: a read gathers it from several of the nodes that store it, and every read
     until its owner renews it gets it again; with 16 peers, validating those copies (an RSA
     signature and a pydantic model each) took about half of a peer's DHT process (py-spy,
@@ -164,12 +166,29 @@ class _Memo:
         self.size = size
         self.seen: collections.OrderedDict = collections.OrderedDict()
 
-    def check(self, record, validate: Callable) -> bool:
-        key = (record.key, record.subkey, record.value, record.expiration_time)
+    @staticmethod
+    def digest(record) -> bytes | None:
+        """A collision-resistant digest of the record's whole content (the memo keeps 16 bytes per
+        record, never the record: a value may be up to a MiB); None for a field that is not bytes
+        or a number (never from the wire: such a record is validated as it is)."""
+        h = hashlib.blake2b(digest_size=16)
         try:
-            hit = self.seen.get(key)
-        except TypeError:  # (an unhashable field: never from the wire; validate as it is)
+            for part in (record.key, record.subkey, record.value):
+                if part is None:
+                    h.update(b"\x00")
+                    continue
+                part = bytes(part)
+                h.update(b"\x01" + len(part).to_bytes(8, "little") + part)
+            h.update(struct.pack("<d", float(record.expiration_time)))
+        except (TypeError, ValueError, OverflowError):
+            return None
+        return h.digest()
+
+    def check(self, record, validate: Callable) -> bool:
+        key = self.digest(record)
+        if key is None:
             return bool(validate(record))
+        hit = self.seen.get(key)
         if hit is not None:
             self.seen.move_to_end(key)
             return hit
