@@ -73,7 +73,12 @@ def manifest(args, *, model: str, H: int, run_id: str, aggregation: dict[str, An
         "train": {"inner_steps": H, "batch_size": args.batch_size, "seq_len": args.seq_len, "eval_tokens": 2048},
         "averaging": {"matchmaking_time": args.matchmaking_time, "request_timeout": args.request_timeout,
                       "averaging_timeout": args.averaging_timeout, "barrier_timeout": args.barrier_timeout},
-        "aggregation": dict(aggregation, compress_backbone=args.compress, compress_key=args.compress, **args.set),
+        # one model per peer (personal_model "inline"): utilisation measures what the network costs a
+        # peer's training; the default's second, personal model doubles the training compute per token
+        # whatever the network does (benchmarks/personal_cost.py measures that apart); --set
+        # personal_model=separate measures the default
+        "aggregation": {"personal_model": "inline", **aggregation, "compress_backbone": args.compress,
+                        "compress_key": args.compress, **args.set},
     })
 
 

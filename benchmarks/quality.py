@@ -73,8 +73,10 @@ ABLATIONS = {
     "world-fp16": ["--compress-world", "fp16"],  # leaders' models in fp16 in world rounds (issue 14)
     "mix-z2": ["--mix-z", "2"],
     # the defaults before 2026-12-04's study: K = k_proj/v_proj, one mixing weight for the whole model
-    "kv-all": ["--key-layers", "kv", "--personal-scope", "all"],
-    "key-only": ["--personal-scope", "key"],  # members adopt the backbone whole, mix K by evidence
+    "kv-all": ["--key-layers", "kv", "--personal-scope", "all", "--personal-model", "inline"],
+    "key-only": ["--personal-model", "inline", "--personal-scope", "key"],  # members adopt the backbone whole, mix K by evidence
+    # one model per member, mixed by parts (the defaults until 2026-12-05's seventh session)
+    "inline": ["--personal-model", "inline"],
     "attn-z2": ["--world-target", "attention", "--mix-z", "2"],
     "full-z2": ["--mix-world-max", "1", "--mix-z", "2"],
     "attn-full-z2": ["--world-target", "attention", "--mix-world-max", "1", "--mix-z", "2"],

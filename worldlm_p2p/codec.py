@@ -142,8 +142,10 @@ CHECKPOINT_REQUIRED = ("fingerprint", "region", "model", "anchor", "stats")
 class PeerCheckpoint:
     """A peer's checkpoint payload: its model (``state_dict``), optimizer, the region's agreed model
     (``anchor``) and outer momentum, its stats (:meth:`worldlm_p2p.peer.stats.PeerStats.checkpoint_view`),
-    the run manifest (a dict; None in older checkpoints), who wrote it, and under border DP the last
-    world model and the region's accountant."""
+    the run manifest (a dict; None in older checkpoints), who wrote it, under border DP the last
+    world model and the region's accountant, and with a separate personal model
+    (``aggregation.personal_model``) that model (``personal``, a ``state_dict``) and its optimizer;
+    ``model`` is then the shared model, the one that takes part in the rounds."""
 
     fingerprint: str
     region: str
@@ -159,12 +161,14 @@ class PeerCheckpoint:
     world_ref: list[torch.Tensor] | None = None
     border: dict[str, Any] | None = None
     has_world_ref: bool = True  # False for older checkpoints that did not store it
+    personal: dict[str, torch.Tensor] | None = None
+    personal_optimizer: dict[str, Any] | None = None
 
     def to_payload(self) -> dict[str, Any]:
         return dict(run_id=self.run_id, fingerprint=self.fingerprint, region=self.region, model=self.model,
                     optimizer=self.optimizer, anchor=list(self.anchor), momentum=self.momentum, stats=self.stats,
                     manifest=self.manifest, label=self.label, peer_id=self.peer_id, world_ref=self.world_ref,
-                    border=self.border)
+                    border=self.border, personal=self.personal, personal_optimizer=self.personal_optimizer)
 
     @classmethod
     def from_payload(cls, p: Any) -> "PeerCheckpoint":
@@ -183,7 +187,10 @@ class PeerCheckpoint:
                    momentum=tensors(p.get("momentum")), manifest=p.get("manifest"), label=p.get("label"),
                    peer_id=p.get("peer_id"), world_ref=tensors(p.get("world_ref")),
                    border=p.get("border") if isinstance(p.get("border"), dict) else None,
-                   has_world_ref="world_ref" in p)
+                   has_world_ref="world_ref" in p,
+                   personal=p.get("personal") if isinstance(p.get("personal"), dict) else None,
+                   personal_optimizer=p.get("personal_optimizer") if isinstance(p.get("personal_optimizer"), dict)
+                   else None)
 
 
 def state_digest(tensors: Sequence[torch.Tensor]) -> str:

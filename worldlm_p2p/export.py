@@ -7,7 +7,8 @@ A peer checkpoint (:mod:`worldlm_p2p.checkpoint`, written by ``Peer._checkpoint`
   With ``fedavg`` and ``hierfavg`` it is the whole run's (resp. the region's) mean model; with
   ``fedper``, B with this peer's own K. ``local`` has no region model.
 - ``which="peer"``: the peer's own model (its personal mix, plus the local steps made since its
-  last round).
+  last round): with a separate personal model (``aggregation.personal_model = "separate"``, the
+  default) that personal model, which never left the peer.
 
 :func:`export_model` writes ``model.safetensors`` and ``config.json`` (``save_pretrained``), the
 tokenizer (for the byte tokenizer an equivalent ``tokenizers`` fast tokenizer, see
@@ -194,7 +195,7 @@ def checkpoint_model(loaded: LoadedCheckpoint, manifest: RunManifest, *, which: 
         logger.warning("checkpoint %s: the region model this peer holds is the run's initial, untrained model (it "
                        "never averaged with its region); export its own model with --which peer", loaded.path)
     try:
-        model.load_state_dict(p.model)
+        model.load_state_dict(p.personal if which == "peer" and p.personal is not None else p.model)
         if which == "region":
             set_params(model, p.anchor)
     except (RuntimeError, ValueError, TypeError) as e:

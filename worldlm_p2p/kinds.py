@@ -20,6 +20,8 @@ MixRule = Literal["evidence", "cosine", "none"]
 WorldTarget = Literal["mean", "attention"]
 #: what the cosine personal mix covers
 PersonalScope = Literal["key", "all", "parts"]
+#: whether a worldlm member's personal model is a second model or the one it averages
+PersonalModel = Literal["separate", "inline"]
 #: the outer optimizer of region rounds (:mod:`worldlm_p2p.outer_optim`)
 OuterOptimizer = Literal["sgd", "nesterov"]
 #: how a region's (and the leaders') all-reduce combines its members' payloads (:mod:`worldlm_p2p.robust`)
@@ -35,6 +37,7 @@ ATTENTION_FORMS: tuple[str, ...] = get_args(AttentionForm)
 MIX_RULES: tuple[str, ...] = get_args(MixRule)
 WORLD_TARGETS: tuple[str, ...] = get_args(WorldTarget)
 PERSONAL_SCOPES: tuple[str, ...] = get_args(PersonalScope)
+PERSONAL_MODELS: tuple[str, ...] = get_args(PersonalModel)
 OUTER_OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizer)
 ROBUST_RULES: tuple[str, ...] = get_args(RobustRule)
 WIRE_CODECS: tuple[str, ...] = get_args(WireCodec)

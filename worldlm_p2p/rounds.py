@@ -29,6 +29,7 @@ towards the regions nearest to it (``"attention"``, :func:`worldlm_p2p.residual.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -105,7 +106,21 @@ class RoundRule:
         every member of the run trains one backbone, and keeps of the agreed key layers only what its
         tune slice supports (DEPT's localised embeddings, arXiv 2410.05402, with ``key_layers =
         "embed_head"``)."""
-        return self.evidence and self.localises and self.config.personal_scope == "key"
+        return self.evidence and self.localises and (self.config.personal_scope == "key" or self.separate_personal)
+
+    @property
+    def separate_personal(self) -> bool:
+        """True when every member trains a personal model apart from the shared one that takes part
+        in the rounds (``personal_model="separate"``): the shared model then follows the rounds of
+        :attr:`personal_key_only`, and the personal model mixes towards it by :func:`personal_mix`."""
+        return self.evidence and self.localises and self.config.personal_model == "separate"
+
+    @property
+    def personal(self) -> "RoundRule":
+        """The rule of a separate personal model's mix: this rule with one model per member
+        (``personal_model="inline"``), so that :func:`member_mix` mixes by ``personal_scope``."""
+        return RoundRule(config=dataclasses.replace(self.config, personal_model="inline"), split=self.split,
+                         seed=self.seed)
 
     @property
     def mixes_by_part(self) -> bool:
@@ -116,7 +131,8 @@ class RoundRule:
         backbone's may be taken whole (the region's grid: the backbone is what every region shares,
         and members that keep one backbone average coherent updates), the key layers' at most
         ``mix_world_max`` (:func:`world_grid`)."""
-        return self.evidence and self.localises and self.config.personal_scope == "parts"
+        return (self.evidence and self.localises and self.config.personal_scope == "parts"
+                and not self.separate_personal)
 
     def part_steps(self, change: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
         """``change`` as two steps of disjoint parts: the backbone's (zeros on K), the key layers'
@@ -293,6 +309,22 @@ def member_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], agreed: Sequence
         return mixing.mix_parts(own, rule.part_steps(change), loss_of, grids=(EVIDENCE_GRID, EVIDENCE_GRID),
                                 own_loss=own_loss, z=rule.config.mix_z)
     return mixing.mix_toward(own, agreed, loss_of, grid=EVIDENCE_GRID, own_loss=own_loss, z=rule.config.mix_z)
+
+
+def personal_mix(rule: RoundRule, *, personal: Sequence[torch.Tensor], shared: Sequence[torch.Tensor],
+                 loss_of: LossOf | None, own_loss: float | None = None
+                 ) -> tuple[list[torch.Tensor], mixing.MixChoice | None]:
+    """A member's personal model after a round (``personal_model="separate"``): its ``personal``
+    model moved towards its ``shared`` model (the one that takes part in the rounds, after the
+    round) as far as its tune-slice loss ``loss_of`` supports, by ``personal_scope``: the backbone
+    and then the key layers each by its own line search (``"parts"``), or one weight (``"all"``).
+    The shared model is the member's own: trained on the same batches as the personal one, averaged
+    with its region (and the world) every round. A member whose shared model does not help it keeps
+    its personal model, which is then its model trained alone; without a slice (``loss_of`` None)
+    it always keeps it."""
+    if not rule.separate_personal:
+        raise ValueError("personal_mix is the rule of a separate personal model (personal_model=\"separate\")")
+    return member_mix(rule.personal, own=personal, agreed=shared, loss_of=loss_of, own_loss=own_loss)
 
 
 def mix_parts_record(rule: RoundRule, choice: mixing.MixChoice | None) -> dict[str, float]:

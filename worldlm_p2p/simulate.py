@@ -39,8 +39,8 @@ from worldlm_p2p.config import AggregationConfig, ModelConfig, PrivacyConfig, To
 from worldlm_p2p.errors import ConfigError, DataError
 from worldlm_p2p.privacy import BorderAccountant
 from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, hand_down, member_world_mix,
-                               mix_parts_record, payload_codecs, region_payload, region_round_with_anchor, stale_apply,
-                               world_round)
+                               mix_parts_record, payload_codecs, personal_mix, region_payload, region_round_with_anchor,
+                               stale_apply, world_round)
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.strategies import strategy as strategy_of
 from worldlm_p2p.strategies import with_border_dp
@@ -99,6 +99,14 @@ class VirtualPeer:
     last_train_loss: float = math.nan
     mixes: list = field(default_factory=list)  # evidence: every mixing choice (round, kind, lam, gain)
     tune_loss: float | None = None  # the tune-slice loss of the model it holds, when known
+    # personal_model="separate": the personal model's trainer (its model: ``personal.model``),
+    # trained on the same batches as the shared ``model``; None: the member holds one model
+    personal: LocalTrainer | None = None
+
+    @property
+    def held(self) -> LocalTrainer:
+        """The trainer of the model the peer holds (is evaluated on): the personal one, if any."""
+        return self.personal if self.personal is not None else self.trainer
 
     @property
     def key(self) -> str:
@@ -138,6 +146,10 @@ class Simulator:
         agg = config.aggregation
         kind = strategy_of(agg.strategy)
         evidence = kind.mixes and agg.mix == "evidence"
+        if agg.personal_model == "separate" and self._dp_sgd(steps=1) is not None:
+            # under DP-SGD a member trains one model (a second would spend its privacy budget twice)
+            agg = dataclasses.replace(agg, personal_model="inline")
+        separate = evidence and kind.localises and agg.personal_model == "separate"
         for region, subs in layout.items():
             for sub in subs:
                 data = tokenize_splits(load_texts(sub), self.tokenizer)
@@ -151,7 +163,10 @@ class Simulator:
                 trainer = LocalTrainer(model=model, train=t, data=data, device=self.device,
                                        seed=peer_data_seed(t.seed, sub.name),
                                        dp=self._dp_sgd(steps=config.rounds * t.inner_steps))
-                self.peers.append(VirtualPeer(region=region, label=sub.name, data=data, model=model, trainer=trainer))
+                personal = LocalTrainer(model=copy.deepcopy(base), train=t, data=data, device=self.device,
+                                        seed=peer_data_seed(t.seed, sub.name)) if separate else None
+                self.peers.append(VirtualPeer(region=region, label=sub.name, data=data, model=model, trainer=trainer,
+                                              personal=personal))
         self.regions = sorted({p.region for p in self.peers})
         try:
             split = None if kind.pooled else split_parameters(self.names, agg.key_layers)
@@ -330,12 +345,33 @@ class Simulator:
         self.world_rounds.append(dict(round=index, weights=result.weights, fetched=result.fetched,
                                       **(dict(released=released) if released else {})))
 
+    def _world_round_due(self, r: int) -> bool:
+        """Whether a world round follows region round ``r``: every ``world_every``-th, for a strategy
+        with world rounds, when there are other regions to meet (a swarm's leader alone in the run
+        holds none: :meth:`worldlm_p2p.peer.world.WorldRounds.count`)."""
+        return self.rule.has_world_rounds and len(self.regions) > 1 and r % self.config.aggregation.world_every == 0
+
     def _overlapped_world_round(self, r: int, anchors: dict[str, list[torch.Tensor]]) -> None:
         """With ``overlap``: apply region round ``r`` (pending since its boundary), then its world
         round when one is due, as a swarm member counts a round towards world rounds once it has
         applied it."""
-        if self._apply_pending() and self.rule.has_world_rounds and r % self.config.aggregation.world_every == 0:
+        if self._apply_pending() and self._world_round_due(r):
             self._world_round(r, anchors)
+
+    def _personal_mixes(self, index: int) -> None:
+        """``personal_model="separate"``: after region round ``index`` (and its world round) every
+        member's personal model moves towards its shared model as far as its tune slice supports."""
+        for p in self.peers:
+            if p.personal is None:
+                continue
+            loss_of = None if p.data.tune.numel() < 2 else (
+                p.personal.tune_losses if self.rule.windowed else p.personal.tune_loss)
+            own = get_flat_params(p.personal.model)
+            new, choice = personal_mix(self.rule, personal=own, shared=get_flat_params(p.model), loss_of=loss_of)
+            set_params(p.personal.model, new)
+            p.mixes.append(dict(round=index, kind="personal", lam=choice.lam if choice else 0.0,
+                                gain=choice.gain if choice and math.isfinite(choice.gain) else 0.0,
+                                **mix_parts_record(self.rule.personal, choice)))
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, round_index: int) -> dict[str, Any]:
@@ -343,7 +379,7 @@ class Simulator:
         for p in self.peers:
             if self.central is not None:
                 set_params(p.model, get_flat_params(self.central_model))
-            loss = p.trainer.evaluate()
+            loss = p.held.evaluate()
             trainer = self.central if self.central is not None else p.trainer
             peers[p.key] = dict(region=p.region, loss=loss, perplexity=_perplexity(loss), epsilon=trainer.epsilon(),
                                 bits_per_byte=bits_per_byte(loss, bytes_per_token=p.data.valid_bytes_per_token),
@@ -408,6 +444,8 @@ class Simulator:
                         p.tokens_since_round += res.tokens
                         p.tokens_since_world += res.tokens
                         p.last_train_loss = res.loss
+                        if p.personal is not None:  # the same batch (a pure function of the step)
+                            p.personal.train_step(p.step - 1)
                     self.on_progress((r - 1) * H * len(self.peers) + (i + 1) * H, total)
                 self._round = r
                 if self.rule.strategy.averages and cfg.aggregation.overlap:
@@ -419,8 +457,10 @@ class Simulator:
                         self._overlapped_world_round(r, anchors)
                 elif self.rule.strategy.averages:
                     self._region_rounds(anchors, momenta)
-                    if self.rule.has_world_rounds and r % cfg.aggregation.world_every == 0:
+                    if self._world_round_due(r):
                         self._world_round(r, anchors)
+                if self.rule.separate_personal:
+                    self._personal_mixes(r)
                 if r in evals:
                     self.history.append(self._evaluate(r))
         final = self.history[-1]
@@ -441,7 +481,7 @@ class Simulator:
 def _mix_summary(mixes: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean mixing weight a peer chose in region and world rounds, and how often it took any."""
     out: dict[str, Any] = {}
-    for kind in ("region", "world"):
+    for kind in ("region", "world", "personal"):
         lams = [m["lam"] for m in mixes if m["kind"] == kind]
         if lams:
             out[f"mix_{kind}"] = dict(mean_lam=sum(lams) / len(lams), taken=sum(1 for x in lams if x > 0),

@@ -89,7 +89,7 @@ def test_swarm_runs_a_small_world_writes_summary_and_stops_on_ctrl_c(tmp_path):
 
 def _export_round_trip(out, eu_labels):
     """A real peer's final checkpoint, exported, loads with AutoModelForCausalLM and gives the logits of
-    the peer's own model (rebuilt here from the checkpoint, without the exporter); both eu peers export
+    the peer's own model (its personal one, rebuilt here from the checkpoint, without the exporter); both eu peers export
     the same region model (the agreed model of their last round)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -107,7 +107,9 @@ def _export_round_trip(out, eu_labels):
     payload = load_latest_checkpoint(ckpt_dir).payload
     manifest = RunManifest.from_dict(payload["manifest"])
     own = build_model(manifest.model, vocab_size=259, seed=0)
-    own.load_state_dict(payload["model"])
+    # the default (personal_model "separate"): the peer's own model is its personal one
+    assert payload.get("personal") is not None
+    own.load_state_dict(payload["personal"])
     own.eval()
     text = "Les régions apprennent ensemble, jede mit ihrem eigenen Modell."
     ids = torch.tensor([ByteTokenizer().encode(text)])

@@ -108,6 +108,9 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path):
     results = sim.run()
     assert sorted(p.label for p in sim.peers) == sorted(SUBS)
     sim_post = {p.label: get_flat_params(p.model) for p in sim.peers}
+    # the default: every member also holds a personal model, mixed towards its shared one after the round
+    sim_personal = {p.label: get_flat_params(p.personal.model) for p in sim.peers if p.personal is not None}
+    assert sorted(sim_personal) == sorted(SUBS)
 
     sums = {label: summary(tmp_path, label) for label in SUBS}
     rounds = {label: traces(tmp_path, label) for label in SUBS}
@@ -138,11 +141,16 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path):
         # if not, say whether the swarm's round at least equals the pure round of its own inputs
         assert err < 1e-5, (label, err, f"swarm vs rounds.region_round on its own inputs: {round_error(group):.2e}")
         assert max_abs_diff(t["agreed"], t["pre"]) > 1e-4  # the round did change the region's model
-        # each member kept pre + lam (agreed - pre) per part (the backbone's lam, then the key
-        # layers'), each chosen on its tune slice as in the simulator
-        rec = results["mixes"][f"{REGION}/{label}"][0]
+        # each member's shared model took the agreed backbone and lam of the agreed key layers, and
+        # its personal model pre + lam (shared - pre) per part (the backbone's lam, then the key
+        # layers'), each lam chosen on its tune slice as in the simulator
+        mixes = results["mixes"][f"{REGION}/{label}"]
+        rec = next(m for m in mixes if m["kind"] == "region")
         assert t["mix_lam"] == pytest.approx(rec["lam"], abs=1e-6), label
-        assert t["mix_key_lam"] == pytest.approx(rec["key_lam"], abs=1e-6), label
+        personal = next(m for m in mixes if m["kind"] == "personal")
+        assert "key_lam" in personal
+        err = max_abs_diff(t["personal"], sim_personal[label])
+        assert err < 1e-5, (label, err)
     # and the held-out loss each peer measured at exit is the simulator's
     for label in SUBS:
         swarm, simulated = sums[label]["valid_loss"], results["peers"][f"{REGION}/{label}"]["loss"]

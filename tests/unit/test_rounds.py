@@ -37,9 +37,11 @@ def _region(n_members=3, seed=0, scale=0.2):
 
 def _exact(**settings) -> RoundRule:
     """A rule of the shipped defaults with ``settings``, its payload on the wire in float32: the
-    round's math without the codec (tested apart, below)."""
+    round's math without the codec (tested apart, below), and one model per member
+    (``personal_model="inline"``: the rounds of a member's own model; the separate personal model
+    of the default is tested apart, below)."""
     return RoundRule.of(SPLIT, **{"compress_backbone": "none", "compress_key": "none", "compress_world": "none",
-                                  **settings})
+                                  "personal_model": "inline", **settings})
 
 
 def _close(xs, ys, atol=1e-6):
@@ -736,3 +738,62 @@ def test_parts_scope_mixes_the_backbone_and_the_key_layers_each_by_evidence() ->
     assert (choice.lam, choice.second_lam) == (1.0, 0.25)
     assert torch.equal(out[3], torch.full((2, 3), 2.0)) and torch.equal(out[2], torch.full((2,), 0.5))
     assert not _exact(mix="cosine", personal_scope="parts").mixes_by_part  # (cosine mixes per tensor anyway)
+
+
+def test_separate_personal_model_shared_rounds_are_key_only_and_the_personal_mix_is_by_parts() -> None:
+    """The default (``personal_model="separate"``): the shared model's rounds are those of
+    ``personal_scope="key"`` (the agreed backbone whole, K by evidence), and the personal model
+    mixes towards the member's shared model by parts: the backbone and K each as far as the slice
+    supports. A member whose shared model does not help keeps its personal model, bit for bit."""
+    from worldlm_p2p.errors import ConfigError
+    from worldlm_p2p.rounds import member_mix, member_world_mix, personal_mix
+
+    g = torch.Generator().manual_seed(13)
+    personal, shared, agreed = _model(g), _model(g), _model(g)
+    rule = RoundRule.of(SPLIT, robust="mean")  # the shipped default
+    assert rule.separate_personal and rule.personal_key_only and not rule.mixes_by_part
+    assert not rule.personal.separate_personal and rule.personal.mixes_by_part
+    assert not _exact(robust="mean").separate_personal  # (inline)
+    assert not RoundRule.of(SPLIT, mix="none").separate_personal  # only with evidence mixing
+    assert not RoundRule.of(SPLIT, strategy="fedper").separate_personal
+    key_only = _exact(robust="mean", personal_scope="key")
+
+    def slice_wants(target):
+        return lambda params: float(sum((p - t).pow(2).sum() for p, t in zip(params, target)))
+
+    # the shared model's region and world mixes are the key-only ones, on the same inputs
+    for loss_of in (slice_wants(agreed), slice_wants(shared), None):
+        a, ca = member_mix(rule, own=shared, agreed=agreed, loss_of=loss_of)
+        b, cb = member_mix(key_only, own=shared, agreed=agreed, loss_of=loss_of)
+        assert all(torch.equal(x, y) for x, y in zip(a, b)) and (ca is None) == (cb is None)
+    change = [torch.full(s, 0.5) for s in SHAPES]
+    a, _ = member_world_mix(rule, own=shared, change=change, loss_of=slice_wants(agreed))
+    b, _ = member_world_mix(key_only, own=shared, change=change, loss_of=slice_wants(agreed))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+    # no useful partner: the slice prefers the personal model, which comes back bit for bit
+    out, choice = personal_mix(rule, personal=personal, shared=shared, loss_of=slice_wants(personal))
+    assert (choice.lam, choice.second_lam) == (0.0, 0.0)
+    assert all(torch.equal(x, y) for x, y in zip(out, personal))
+    # no tune slice: no evidence, the personal model
+    out, choice = personal_mix(rule, personal=personal, shared=shared, loss_of=None)
+    assert choice is None and all(torch.equal(x, y) for x, y in zip(out, personal))
+    # the slice wants the shared model: taken whole (both parts at weight 1)
+    out, choice = personal_mix(rule, personal=personal, shared=shared, loss_of=slice_wants(shared))
+    assert (choice.lam, choice.second_lam) == (1.0, 1.0)
+    _close(out, shared)
+    # by hand: the slice wants a quarter of the way on the backbone, its own key layers
+    want = [p + 0.25 * (s - p) if i in SPLIT.backbone else p for i, (p, s) in enumerate(zip(personal, shared))]
+    out, choice = personal_mix(rule, personal=personal, shared=shared, loss_of=slice_wants(want))
+    assert (choice.lam, choice.second_lam) == (0.25, 0.0)
+    _close(out, want)
+    assert all(torch.equal(out[i], personal[i]) for i in SPLIT.key)
+    # one weight for the whole model with personal_scope="all"
+    out, choice = personal_mix(RoundRule.of(SPLIT, robust="mean", personal_scope="all"), personal=personal,
+                               shared=shared, loss_of=slice_wants(shared))
+    assert choice.lam == 1.0 and choice.second_lam is None
+    _close(out, shared)
+    with pytest.raises(ValueError, match="separate"):
+        personal_mix(_exact(robust="mean"), personal=personal, shared=shared, loss_of=None)
+    with pytest.raises(ConfigError, match="personal_scope"):
+        RoundRule.of(SPLIT, personal_scope="key")  # what the shared model does already

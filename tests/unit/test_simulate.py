@@ -23,7 +23,7 @@ from worldlm_p2p.aggregation import allreduce_traffic, round_weight
 from worldlm_p2p.config import AggregationConfig, PrivacyConfig, TrainConfig, model_preset
 from worldlm_p2p.privacy import BorderAccountant
 from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, hand_down, member_world_mix,
-                                region_round_with_anchor, stale_apply, world_round)
+                                personal_mix, region_round_with_anchor, stale_apply, world_round)
 from worldlm_p2p.simulate import SimConfig, Simulator, simulate
 from worldlm_p2p.split import split_parameters
 from worldlm_p2p.train import (ByteTokenizer, LocalTrainer, build_model, get_flat_params, hold_out_tune, load_texts,
@@ -205,7 +205,23 @@ class _Rebuilt:
             assert data.tune.numel() > 0
         self.trainer = LocalTrainer(model=self.model, train=config.train, data=data, device=torch.device("cpu"),
                                     seed=peer_data_seed(config.train.seed, self.label))
+        # personal_model="separate": the personal model, trained on the same batches
+        self.personal = LocalTrainer(
+            model=build_model(config.model, vocab_size=ByteTokenizer().vocab_size, seed=config.train.seed),
+            train=config.train, data=data, device=torch.device("cpu"),
+            seed=peer_data_seed(config.train.seed, self.label)) if _rule(config, self.model).separate_personal else None
         self.step = self.tokens = self.tokens_since_world = 0
+
+    def personal_loss_of(self, params):
+        rule = _rule(self.config, self.model)
+        return self.personal.tune_losses(params) if rule.windowed else self.personal.tune_loss(params)
+
+    def mix_personal(self, rule) -> None:
+        """After a round: the personal model towards the shared one (rounds.personal_mix)."""
+        if self.personal is not None:
+            new, _ = personal_mix(rule, personal=get_flat_params(self.personal.model),
+                                  shared=get_flat_params(self.model), loss_of=self.personal_loss_of)
+            set_params(self.personal.model, new)
 
     def loss_of(self, params):
         rule = _rule(self.config, self.model)  # the significance test needs each window's loss
@@ -215,6 +231,8 @@ class _Rebuilt:
         tokens = 0
         for _ in range(steps):
             tokens += self.trainer.train_step(self.step).tokens
+            if self.personal is not None:
+                self.personal.train_step(self.step)
             self.step += 1
         self.tokens += tokens
         self.tokens_since_world += tokens
@@ -228,7 +246,13 @@ def _rule(config: SimConfig, model: torch.nn.Module) -> RoundRule:
 
 
 def _sim_models(sim: Simulator) -> dict[tuple[str, str], list[torch.Tensor]]:
+    """Every virtual peer's shared model (the one its rounds average)."""
     return {(p.region, p.label): get_flat_params(p.model) for p in sim.peers}
+
+
+def _sim_personal(sim: Simulator) -> dict[tuple[str, str], list[torch.Tensor]]:
+    """Every virtual peer's personal model (personal_model="separate")."""
+    return {(p.region, p.label): get_flat_params(p.personal.model) for p in sim.peers if p.personal is not None}
 
 
 def _part_weights(rule, record) -> tuple[float, float]:
@@ -369,6 +393,10 @@ def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, st
                 with torch.no_grad():
                     for param, t in zip(p.model.parameters(), tensors):
                         param.copy_(t)
+        if _ == 0:  # (after round 2, the personal models mix after the world round)
+            for members in peers.values():
+                for p in members:
+                    p.mix_personal(rule)
     tokens = {r: float(sum(p.tokens_since_world for p in members)) for r, members in peers.items()}
     sent = {}
     if dp.border:
@@ -393,8 +421,8 @@ def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, st
             own = get_flat_params(p.model)
             want, choice = member_world_mix(rule, own=own, change=delta, loss_of=p.loss_of)
             if rule.evidence:
-                rec = results["mixes"][f"{r}/{p.label}"][-1]
-                assert rec["kind"] == "world" and rec["lam"] == choice.lam
+                rec = [m for m in results["mixes"][f"{r}/{p.label}"] if m["kind"] == "world"][-1]
+                assert rec["lam"] == choice.lam
                 lams.append(choice.lam)
                 wb, wk = _part_weights(rule, rec)
                 key = set(rule.split.key)
@@ -403,6 +431,16 @@ def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, st
             else:
                 assert max_abs_diff(want, [t + d for t, d in zip(own, delta)]) < 1e-6
             assert max_abs_diff(got[(r, p.label)], want) < 1e-6, (strategy, r, p.label)
+            set_params(p.model, want)
+            p.mix_personal(rule)
+    personal = _sim_personal(sim)
+    assert bool(personal) == (mix == "evidence" and strategy == "worldlm")  # the default: a separate personal model
+    for r, members in peers.items():
+        for p in members:
+            if p.personal is not None:
+                assert max_abs_diff(personal[(r, p.label)], get_flat_params(p.personal.model)) < 1e-6
+                recs = [m for m in results["mixes"][f"{r}/{p.label}"] if m["kind"] == "personal"]
+                assert [m["round"] for m in recs] == [1, 2]
     if strategy == "hierfavg":  # the world round gives every region the same model
         assert max_abs_diff(got[("eu", "fi_mixed")], got[("na", "en_email")]) < 1e-6
     elif rule.world_attention:  # two regions: each moves beta of the way to what the other sent

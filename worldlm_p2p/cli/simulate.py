@@ -62,6 +62,9 @@ FLAGS = (
     Flag("aggregation", "personal_scope", "what a member's evidence mix covers: parts (the backbone and K each "
                                           "by its own weight; default), all (one weight) or key (the backbone "
                                           "adopted whole)"),
+    Flag("aggregation", "personal_model", "with --mix evidence: separate (each member trains a personal model "
+                                          "beside the shared one its rounds average, and mixes it towards that; "
+                                          "default) or inline (one model per member)"),
     Flag("aggregation", "outer", "outer optimizer"),
     Flag("aggregation", "outer_lr", "outer learning rate"),
     Flag("aggregation", "outer_momentum", "Nesterov momentum"),

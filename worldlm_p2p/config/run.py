@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from worldlm_p2p.errors import ConfigError
-from worldlm_p2p.kinds import (ATTENTION_FORMS, MIX_RULES, OUTER_OPTIMIZERS, PERSONAL_SCOPES, ROBUST_RULES,
+from worldlm_p2p.kinds import (ATTENTION_FORMS, MIX_RULES, OUTER_OPTIMIZERS, PERSONAL_MODELS, PERSONAL_SCOPES, ROBUST_RULES,
                                ROUND_SCHEDULES, STRATEGY_NAMES, SWARM_STRATEGIES, WIRE_CODECS, WORLD_TARGETS,
-                               AttentionForm, MixRule, OuterOptimizer, PersonalScope, RobustRule, RoundSchedule,
+                               AttentionForm, MixRule, OuterOptimizer, PersonalModel, PersonalScope, RobustRule, RoundSchedule,
                                StrategyName, WireCodec, WorldTarget)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -191,6 +191,20 @@ class AggregationConfig:
       ``"key"``: only the key layers, the member adopting the backbone its region agreed on and
       every world change of it whole (:attr:`worldlm_p2p.rounds.RoundRule.personal_key_only`). With
       ``mix = "cosine"``, whose mix is per tensor, ``"parts"`` is ``"all"``.
+    - ``personal_model``: with ``mix = "evidence"``, where a member's personal model lives.
+      ``"separate"`` (the default): every member trains two models on the same batches, the
+      *shared* one that takes part in the rounds (it adopts the agreed backbone and every world
+      change of it whole, and takes of the agreed key layers what its tune slice supports: the
+      rounds of ``personal_scope = "key"``), and its *personal* one, which never leaves the peer:
+      after every round it moves towards the member's shared model as far as its tune slice
+      supports, by ``personal_scope`` (:func:`worldlm_p2p.rounds.personal_mix`). The personal
+      model is the one the member holds, is evaluated on and exports (Ditto's two models, arXiv
+      2012.04221, with a line search on held-apart text instead of a proximal term). The region
+      then trains one coherent backbone from the first round, which is what pays over a long run,
+      while no member has to take it before its evidence shows it helps. It costs a second
+      forward-backward pass per step and a second copy of the model and optimizer state; the bytes
+      on the wire are the same. ``"inline"``: one model per member, both averaged and personal
+      (the members' own models are what the region averages).
     - ``personal_tau``: the temperature of ``mix = "cosine"``.
     - ``outer`` / ``outer_lr`` / ``outer_momentum``: the outer optimizer applied to the backbone at
       region rounds (:mod:`worldlm_p2p.outer_optim`); ``sgd`` with lr 1 is FedAvg.
@@ -244,6 +258,7 @@ class AggregationConfig:
     tune_pieces: int = 1
     personal_tau: float = 0.1
     personal_scope: PersonalScope = "parts"
+    personal_model: PersonalModel = "separate"
     outer: OuterOptimizer = "sgd"
     outer_lr: float = 1.0  # 1.0 with sgd = plain FedAvg: adopt the averaged model
     outer_momentum: float = 0.9  # nesterov only
@@ -284,6 +299,11 @@ class AggregationConfig:
         _require(self.personal_tau >= 0, "aggregation.personal_tau", "must be >= 0")
         _require(self.personal_scope in PERSONAL_SCOPES, "aggregation.personal_scope",
                  f"{self.personal_scope!r} is not one of {', '.join(PERSONAL_SCOPES)}")
+        _require(self.personal_model in PERSONAL_MODELS, "aggregation.personal_model",
+                 f"{self.personal_model!r} is not one of {', '.join(PERSONAL_MODELS)}")
+        _require(not (self.personal_model == "separate" and self.mix == "evidence" and self.personal_scope == "key"),
+                 "aggregation.personal_scope", "\"key\" is what a separate personal model's shared model does "
+                 "already; with personal_model = \"separate\" the personal model mixes by \"parts\" or \"all\"")
         _require(self.outer in OUTER_OPTIMIZERS, "aggregation.outer",
                  f"{self.outer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
         _require(0 < self.outer_lr <= 2, "aggregation.outer_lr", "must be in (0, 2]")

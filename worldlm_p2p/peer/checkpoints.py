@@ -30,7 +30,10 @@ def write(config: PeerConfig, manifest: RunManifest, *, member: Member, state: R
         model={k: v.detach().to("cpu") for k, v in member.model.state_dict().items()},
         optimizer=member.trainer.state_dict(), anchor=state.anchor, momentum=state.momentum,
         stats=stats.checkpoint_view(), manifest=manifest.to_dict(), label=label, peer_id=peer_id,
-        world_ref=state.world_ref, border=state.border.state_dict() if state.border is not None else None)
+        world_ref=state.world_ref, border=state.border.state_dict() if state.border is not None else None,
+        personal={k: v.detach().to("cpu") for k, v in member.personal.model.state_dict().items()}
+        if member.personal is not None else None,
+        personal_optimizer=member.personal.state_dict() if member.personal is not None else None)
     path = save_checkpoint(config.checkpoint_dir, step=stats.step, payload=ckpt.to_payload(),
                            keep=config.keep_checkpoints)
     logger.info("checkpoint written: %s", path)
@@ -69,6 +72,14 @@ def resume(config: PeerConfig, manifest: RunManifest, *, member: Member, state: 
     try:
         member.model.load_state_dict(ckpt.model)
         member.trainer.load_state_dict(ckpt.optimizer)
+        if member.personal is not None and ckpt.personal is not None:
+            member.personal.model.load_state_dict(ckpt.personal)
+            if ckpt.personal_optimizer is not None:
+                member.personal.load_state_dict(ckpt.personal_optimizer)
+        elif member.personal is not None:  # a checkpoint of one model: the personal one starts from it
+            logger.warning("checkpoint %s holds no personal model: this peer's personal model starts from its "
+                           "shared one", loaded.path)
+            member.follow_shared()
         state.anchor = [t.to("cpu") for t in ckpt.anchor]
         state.momentum = [t.to("cpu") for t in ckpt.momentum] if ckpt.momentum is not None else None
     except (KeyError, RuntimeError, ValueError, TypeError, AttributeError) as e:

@@ -118,7 +118,8 @@ class Peer:
                              asked=r.asked if r is not None else 0, answered=r.answered if r is not None else 0)
         local = joining.build_local(cfg, m, splits)
         self.trainer, self.rule = local.trainer, local.rule
-        self._member = Member(model=local.model, trainer=local.trainer, rule=local.rule, stats=self.stats)
+        self._member = Member(model=local.model, trainer=local.trainer, rule=local.rule, stats=self.stats,
+                              personal=local.personal)
         self._state = RegionState(anchor=self._member.params(),
                                   border_delta=cfg.privacy.border_delta if cfg.privacy.border else None)
         joining.log_strategy(self.rule)
@@ -182,7 +183,10 @@ class Peer:
         if not no_live_peer or self._world is None:
             return
         s = self.stats
+        adopted = s.world_round
         self._world.maybe_adopt()
+        if s.world_round != adopted:  # the shared model took a world change
+            self._member.mix_personal(s.round)
         self._state.anchor = self._member.params()
         tokens, s.tokens_since_round = float(s.tokens_since_round), 0
         self._server.publish(round_index=s.round + 1)
@@ -208,6 +212,8 @@ class Peer:
         while not self._stop.is_set() and not self._done():
             began = time.monotonic()
             result = self.trainer.train_step(s.step, defer=defer)
+            if self._member.personal is not None:  # the same batch (a pure function of the step)
+                self._member.personal.train_step(s.step, defer=defer)
             s.count_step(tokens=result.tokens, loss=result.loss)
             if result.pending is not None:
                 unread.append(result)
@@ -339,7 +345,7 @@ class Peer:
                    strategy=m.aggregation.strategy if m else None,
                    reachability=(self._net.reachability_status or None) if self._net is not None else None)
         if final_eval and m is not None:
-            out["valid_loss"] = self.trainer.evaluate()
+            out["valid_loss"] = self._member.held.evaluate()  # the personal model, if it has one
         if self.config.summary_path:
             path = Path(self.config.summary_path)
             tmp = path.with_name(f".{path.name}.tmp")

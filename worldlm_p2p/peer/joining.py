@@ -5,6 +5,7 @@ initialisation."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import tempfile
@@ -231,6 +232,7 @@ class Local:
     model: torch.nn.Module
     trainer: LocalTrainer
     rule: rounds.RoundRule
+    personal: LocalTrainer | None = None  # personal_model="separate": the personal model's trainer
 
 
 def build_local(config: PeerConfig, manifest: RunManifest, splits) -> Local:
@@ -262,8 +264,18 @@ def build_local(config: PeerConfig, manifest: RunManifest, splits) -> Local:
         split = split_parameters([n for n, _ in model.named_parameters()], agg.key_layers)
     except ValueError as e:
         raise ConfigError(f"aggregation.key_layers: {e}") from None
+    if trainer.dp is not None and agg.personal_model == "separate":
+        # under DP-SGD a member trains one model: a second, trained on the same text, would spend the
+        # privacy budget again
+        logger.info("DP-SGD: this peer trains one model (aggregation.personal_model \"inline\")")
+        agg = dataclasses.replace(agg, personal_model="inline")
     rule = rounds.RoundRule.from_config(agg, split, seed=m.train.seed)
-    return Local(tokenizer=tokenizer, data=data, device=device, model=model, trainer=trainer, rule=rule)
+    personal = None
+    if rule.separate_personal:  # the same initialisation and batches as the shared model
+        personal = LocalTrainer(model=copy.deepcopy(model), train=m.train, data=data, device=device,
+                                seed=peer_data_seed(m.train.seed, label))
+    return Local(tokenizer=tokenizer, data=data, device=device, model=model, trainer=trainer, rule=rule,
+                 personal=personal)
 
 
 def log_strategy(rule: rounds.RoundRule) -> None:
@@ -317,6 +329,7 @@ def late_join(config: PeerConfig, *, others: list, rule: rounds.RoundRule, membe
         return
     state.anchor, state.momentum = region_model(served, rule=rule, member=member), served.momentum or None
     member.set(state.anchor)
+    member.follow_shared()
     stats.round = served.round
     stats.world_round = served.world_round
     if served.world_round >= 0:

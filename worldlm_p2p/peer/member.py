@@ -1,5 +1,9 @@
 """This peer's own model as a member of its region: its parameters, its tune-slice evidence and
-the mixing choices it made (knows nothing of the network)."""
+the mixing choices it made (knows nothing of the network). With ``personal_model="separate"`` it
+holds two: the shared model that takes part in the rounds (``model``, ``trainer``) and its personal
+model (``personal``: a trainer and its model) trained on the same batches, which never leaves the
+peer and moves towards the shared one after every round as far as its tune slice supports
+(:func:`worldlm_p2p.rounds.personal_mix`)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from worldlm_p2p import rounds
 from worldlm_p2p.rounds import RoundRule, mix_parts_record
 from worldlm_p2p.train import LocalTrainer, SliceEvaluator, get_flat_params, set_params
 
@@ -18,9 +23,44 @@ logger = logging.getLogger(__name__)
 
 
 class Member:
-    def __init__(self, *, model: torch.nn.Module, trainer: LocalTrainer, rule: RoundRule, stats: PeerStats) -> None:
+    def __init__(self, *, model: torch.nn.Module, trainer: LocalTrainer, rule: RoundRule, stats: PeerStats,
+                 personal: LocalTrainer | None = None) -> None:
         self.model, self.trainer, self.rule, self.stats = model, trainer, rule, stats
+        self.personal = personal
         self._evaluator: SliceEvaluator | None = None
+
+    @property
+    def held(self) -> LocalTrainer:
+        """The trainer of the model this peer holds (evaluates, exports): its personal one, if any."""
+        return self.personal if self.personal is not None else self.trainer
+
+    def personal_params(self) -> list[torch.Tensor]:
+        """A CPU copy of the personal model's parameters (the shared model's without one)."""
+        return get_flat_params(self.held.model)
+
+    def follow_shared(self) -> None:
+        """The personal model takes the shared model's parameters (a peer that starts from its
+        region's model, or resumes from a checkpoint without a personal model)."""
+        if self.personal is not None:
+            set_params(self.personal.model, self.params())
+
+    def mix_personal(self, index: int) -> None:
+        """After round ``index`` changed the shared model: the personal model moves towards it as far
+        as the tune slice supports (:func:`worldlm_p2p.rounds.personal_mix`). A failed search (out of
+        memory, say) keeps the personal model as it was and says so."""
+        if self.personal is None:
+            return
+        trainer = self.personal
+        loss_of = None if trainer.data.tune.numel() < 2 else (
+            trainer.tune_losses if self.rule.windowed else trainer.tune_loss)
+        own = get_flat_params(trainer.model)
+        try:
+            new, choice = rounds.personal_mix(self.rule, personal=own, shared=self.params(), loss_of=loss_of)
+        except Exception as e:
+            logger.warning("personal mixing failed (%s: %s): keeping this peer's personal model", type(e).__name__, e)
+            new, choice = own, None
+        set_params(trainer.model, new)
+        self.record_mix("personal", index, choice)
 
     def params(self) -> list[torch.Tensor]:
         """A CPU copy of the model's parameters."""
@@ -59,10 +99,10 @@ class Member:
     def record_mix(self, kind: str, index: int, choice) -> None:
         lam = choice.lam if choice is not None else 0.0
         gain = choice.gain if choice is not None and math.isfinite(choice.gain) else 0.0
-        parts = mix_parts_record(self.rule, choice)
+        parts = mix_parts_record(self.rule.personal if kind == "personal" else self.rule, choice)
         self.stats.mixes.append(dict(kind=kind, round=int(index), step=self.stats.step, lam=lam, gain=gain, **parts))
-        logger.info("%s round %d: took %.3g of the %s%s (tune-slice loss %.4f -> %.4f)", kind, index, lam,
-                    "region's agreed model" if kind == "region" else "world's change",
+        what = {"region": "region's agreed model", "world": "world's change", "personal": "shared model"}[kind]
+        logger.info("%s round %d: took %.3g of the %s%s (tune-slice loss %.4f -> %.4f)", kind, index, lam, what,
                     f" (backbone; key layers {parts['key_lam']:.3g})" if parts else "",
                     choice.own_loss if choice is not None else float("nan"),
                     choice.loss if choice is not None else float("nan"))

@@ -398,6 +398,7 @@ class RegionRound:
                         f"models, not the region's anchor")
         if result.ok:
             self.member.set(new if current is None else rounds.stale_apply(new, pre=a.pre, current=current))
+            self.member.mix_personal(s.round)
             if minority is None:
                 self.state.momentum = a.momentum
                 self.state.anchor = a.agreed
@@ -429,7 +430,9 @@ class RegionRound:
                                                 agreed=self.state.anchor if result.ok else None,
                                                 mix_lam=mix.lam if mix is not None else None,
                                                 mix_key_lam=mix.second_lam if mix is not None else None, current=current,
-                                                gathered=result.gathered, post=self.member.params(), lost=lost))
+                                                gathered=result.gathered, post=self.member.params(), lost=lost,
+                                                personal=self.member.personal_params()
+                                                if self.member.personal is not None else None))
         if not result.ok:
             return Outcome.FAILED
         return Outcome.PARTIAL if lost else Outcome.AVERAGED
