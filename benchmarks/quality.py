@@ -303,9 +303,13 @@ def took(res: dict[str, Any]) -> dict[str, dict[str, float]]:
         tops = [max(ws.items(), key=lambda kv: (statistics.fmean(kv[1]), kv[0])) for ws in rounds_w
                 if ws and region not in ws]
         top = max(sorted({g for g, _ in tops}), key=lambda g: sum(1 for x, _ in tops if x == g)) if tops else ""
+        own = [m["lam"] for m in mixes if m["kind"] == "personal"]
+        own_k = [m["key_lam"] for m in mixes if m["kind"] == "personal" and "key_lam" in m]
         reg_k = [m["key_lam"] for m in mixes if m["kind"] == "region" and "key_lam" in m]
         wor_k = [m["key_lam"] for m in mixes if m["kind"] == "world" and "key_lam" in m]
         out[region] = {"region_lam": statistics.fmean(reg) if reg else math.nan,
+                       "personal_lam": statistics.fmean(own) if own else math.nan,
+                       "personal_key_lam": statistics.fmean(own_k) if own_k else math.nan,
                        "region_key_lam": statistics.fmean(reg_k) if reg_k else math.nan,
                        "world_key_lam": statistics.fmean(wor_k) if wor_k else math.nan,
                        "world_lam": statistics.fmean(wor) if wor else math.nan,
@@ -410,10 +414,13 @@ def corpus_tables(corpus: str, budget: Budget, layout, results: dict[str, dict[i
                   "slice for the region's model and for the world change, the share of world rounds declined "
                   "(weight 0), the residual attention's weight on the region itself (world target `mean`) or "
                   "the region the world attention leaned on most and its mean weight (`attention`); with "
-                  "`personal_scope = \"parts\"` the weights are the backbone's, the key layers' in brackets:", "",
+                  "`personal_scope = \"parts\"` the weights are the backbone's, the key layers' in brackets; with "
+                  "a separate personal model (the default) the first two are its shared model's (which takes "
+                  "the backbone whole: the weights are the key layers'), and the personal model's weight "
+                  "towards its shared model after each round comes last:", "",
                   "| region | from the region | from the world | world rounds declined | residual self-weight "
-                  "| nearest region (weight) |",
-                  "|---|---:|---:|---:|---:|---|"]
+                  "| nearest region (weight) | personal towards shared |",
+                  "|---|---:|---:|---:|---:|---|---:|"]
         for r in regions:
             def avg(k: str, r: str = r) -> str:
                 xs = [t[r][k] for _, t in took_rows if r in t and math.isfinite(t[r].get(k, math.nan))]
@@ -424,7 +431,7 @@ def corpus_tables(corpus: str, budget: Budget, layout, results: dict[str, dict[i
                 key = avg(k.replace("_lam", "_key_lam"))
                 return avg(k) + (f" ({key})" if key != "-" else "")
             lines.append(f"| {r} | {with_key('region_lam')} | {with_key('world_lam')} | {avg('world_declined')} "
-                         f"| {avg('self_weight')} | {near} |")
+                         f"| {avg('self_weight')} | {near} | {with_key('personal_lam')} |")
     if "worldlm" in summary:
         w = summary["worldlm"]["region_mean"]
         lines += ["", "X against worldlm: the ratio of the region means, and the same ratio paired by seed (the "
