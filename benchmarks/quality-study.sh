@@ -89,3 +89,23 @@ $PY benchmarks/quality.py --workdir "$D" --report-only --baselines centralized,f
 $Q --report-only --ablation-corpora scripts,related,mixed,today,random \
    --ablations mix-none,K-mean,no-residual,tune-spread,world-full,world-attn,mix-z2,attn-z2,full-z2,attn-full-z2 \
    --out benchmarks/out/quality.json
+# 15. (seventh session) two models per member, the new default (aggregation.personal_model =
+#     "separate"): the runs that do not depend on it come from phase 13's directory, its worldlm runs
+#     (the previous defaults) become the `inline` ablation; worldlm with 3 seeds everywhere, and the
+#     residual exchange ablated at the long budget (seed 0; RESULTS.md)
+S="benchmarks/out/quality-runs-sep"
+mkdir -p "$S"
+for f in "$D"/*; do
+  b=$(basename "$f")
+  case "$b" in
+    *.worldlm.s*.json) ln -f "$f" "$S/${b/.worldlm./.worldlm_inline.}" ;;
+    *.local.*|*.centralized.*|*.fedavg.*|*.hierfavg.*|*.fedper.*|*.worldlm_key-only.*|*_subcorpora*) ln -f "$f" "$S/$b" ;;
+  esac
+done
+$PY benchmarks/quality.py --workdir "$S" --baselines centralized,fedavg,hierfavg,fedper \
+   --ablation-corpora scripts,related,mixed,today,random --ablations inline --out "$S/p15.json"
+$PY benchmarks/quality.py --workdir "$S" --budgets long --corpora related,mixed --seeds 1 --baselines "" \
+   --ablation-corpora related,mixed --ablations no-residual --out "$S/p15b.json"
+$PY benchmarks/quality.py --workdir "$S" --report-only --baselines centralized,fedavg,hierfavg,fedper \
+   --ablation-corpora scripts,related,mixed,today,random --ablations inline,key-only,no-residual \
+   --out benchmarks/out/quality-sep.json
