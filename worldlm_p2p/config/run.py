@@ -303,7 +303,8 @@ class AggregationConfig:
                  f"{self.personal_model!r} is not one of {', '.join(PERSONAL_MODELS)}")
         _require(not (self.personal_model == "separate" and self.mix == "evidence" and self.personal_scope == "key"),
                  "aggregation.personal_scope", "\"key\" is what a separate personal model's shared model does "
-                 "already; with personal_model = \"separate\" the personal model mixes by \"parts\" or \"all\"")
+                 "already; with personal_model = \"separate\" (the default) the personal model mixes by \"parts\" or "
+                 "\"all\" (personal_model = \"inline\" with \"key\": one model per member on the agreed backbone)")
         _require(self.outer in OUTER_OPTIMIZERS, "aggregation.outer",
                  f"{self.outer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
         _require(0 < self.outer_lr <= 2, "aggregation.outer_lr", "must be in (0, 2]")
