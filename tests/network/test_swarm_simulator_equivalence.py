@@ -151,7 +151,10 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path):
         assert "key_lam" in personal
         err = max_abs_diff(t["personal"], sim_personal[label])
         assert err < 1e-5, (label, err)
-    # and the held-out loss each peer measured at exit is the simulator's
+    # and the held-out loss each peer measured at exit is the simulator's, as is the training loss it
+    # reports (the held model's last step)
+    sim_train = {p.label: p.last_train_loss for p in sim.peers}
     for label in SUBS:
+        assert sums[label]["last_train_loss"] == pytest.approx(sim_train[label], abs=1e-5), label
         swarm, simulated = sums[label]["valid_loss"], results["peers"][f"{REGION}/{label}"]["loss"]
         assert abs(swarm - simulated) < 1e-4 * max(1.0, abs(simulated)), (label, swarm, simulated)

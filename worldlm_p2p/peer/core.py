@@ -212,11 +212,12 @@ class Peer:
         while not self._stop.is_set() and not self._done():
             began = time.monotonic()
             result = self.trainer.train_step(s.step, defer=defer)
+            held = result  # the model the member holds: its loss is the one counted (and monitored)
             if self._member.personal is not None:  # the same batch (a pure function of the step)
-                self._member.personal.train_step(s.step, defer=defer)
-            s.count_step(tokens=result.tokens, loss=result.loss)
-            if result.pending is not None:
-                unread.append(result)
+                held = self._member.personal.train_step(s.step, defer=defer)
+            s.count_step(tokens=result.tokens, loss=held.loss)
+            if result.pending is not None or held.pending is not None:
+                unread.append((result, held))
             if cfg.slowdown > 1:  # an emulated slower device
                 self._stop.wait((cfg.slowdown - 1) * (time.monotonic() - began))
             if self._world is not None:
@@ -247,15 +248,20 @@ class Peer:
         return self.summary(final_eval=True)
 
     def _read_losses(self, unread: list) -> None:
-        """Count the losses of deferred steps (read back in one round trip), and empty ``unread``."""
+        """Count the losses of deferred steps (read back in one round trip per model), and empty
+        ``unread``: pairs ``(shared model's step, held model's step)``, the same object without a
+        personal model. The held model's loss is counted; a skipped update of either is logged."""
         if not unread:
             return
         first = self.stats.step - len(unread)
-        for i, r in enumerate(resolve_steps(unread)):
-            self.stats.count_loss(r.loss)
-            if r.skipped:
-                logger.warning("step %d: loss %s, gradient norm %s: the update was skipped", first + i, r.loss,
-                               r.grad_norm)
+        shared = resolve_steps([u[0] for u in unread])
+        held = shared if all(u[0] is u[1] for u in unread) else resolve_steps([u[1] for u in unread])
+        for i, (a, b) in enumerate(zip(shared, held)):
+            self.stats.count_loss(b.loss)
+            for which, r in (("", a), (" (personal model)", b)) if a is not b else (("", a),):
+                if r.skipped:
+                    logger.warning("step %d%s: loss %s, gradient norm %s: the update was skipped", first + i, which,
+                                   r.loss, r.grad_norm)
         unread.clear()
 
     def _round_due(self, H: int) -> bool:
