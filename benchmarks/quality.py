@@ -65,6 +65,7 @@ ABLATIONS = {
     "mix-cosine": ["--mix", "cosine"],
     "no-mix-world": ["--no-mix-world"],
     "K-mean": ["--attention", "mean"],
+    "usage-rows": ["--usage-rows"],  # K's rows weighted by the members' token counts
     "no-residual": ["--no-residual"],
     "tune-spread": ["--tune-pieces", "8"],
     "tune-8k": ["--tune-tokens", "8192"],
@@ -77,6 +78,10 @@ ABLATIONS = {
     "key-only": ["--personal-model", "inline", "--personal-scope", "key"],  # members adopt the backbone whole, mix K by evidence
     # one model per member, mixed by parts (the defaults until 2026-12-05's seventh session)
     "inline": ["--personal-model", "inline"],
+    "shared-agreed": ["--shared-model", "agreed"],  # the shared model is WorldLM's member; only the personal one mixes
+    "agreed-usage": ["--shared-model", "agreed", "--usage-rows"],
+    "agreed-K-mean": ["--shared-model", "agreed", "--attention", "mean"],
+    "agreed-no-residual": ["--shared-model", "agreed", "--no-residual"],
     "attn-z2": ["--world-target", "attention", "--mix-z", "2"],
     "full-z2": ["--mix-world-max", "1", "--mix-z", "2"],
     "attn-full-z2": ["--world-target", "attention", "--mix-world-max", "1", "--mix-z", "2"],

@@ -22,6 +22,8 @@ WorldTarget = Literal["mean", "attention"]
 PersonalScope = Literal["key", "all", "parts"]
 #: whether a worldlm member's personal model is a second model or the one it averages
 PersonalModel = Literal["separate", "inline"]
+#: what a separate personal model's shared model takes of a round
+SharedModel = Literal["evidence", "agreed"]
 #: the outer optimizer of region rounds (:mod:`worldlm_p2p.outer_optim`)
 OuterOptimizer = Literal["sgd", "nesterov"]
 #: how a region's (and the leaders') all-reduce combines its members' payloads (:mod:`worldlm_p2p.robust`)
@@ -38,6 +40,7 @@ MIX_RULES: tuple[str, ...] = get_args(MixRule)
 WORLD_TARGETS: tuple[str, ...] = get_args(WorldTarget)
 PERSONAL_SCOPES: tuple[str, ...] = get_args(PersonalScope)
 PERSONAL_MODELS: tuple[str, ...] = get_args(PersonalModel)
+SHARED_MODELS: tuple[str, ...] = get_args(SharedModel)
 OUTER_OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizer)
 ROBUST_RULES: tuple[str, ...] = get_args(RobustRule)
 WIRE_CODECS: tuple[str, ...] = get_args(WireCodec)

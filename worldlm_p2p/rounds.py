@@ -61,6 +61,9 @@ def world_grid(max_step: float) -> tuple[float, ...]:
         raise ValueError(f"the largest world step must lie in (0, 1], got {max_step}")
     return tuple(sorted({x for x in EVIDENCE_GRID if x <= max_step} | {float(max_step)}))
 
+#: the choice of a shared model that adopts a round whole (:attr:`RoundRule.shared_adopts`): no search
+ADOPTED = mixing.MixChoice(lam=1.0, loss=math.nan, own_loss=math.nan, evaluated=())
+
 #: a member's tune-slice loss of a parameter list (nats per token; per window with ``mix_z > 0``,
 #: :data:`worldlm_p2p.mixing.Loss`)
 LossOf = Callable[[list[torch.Tensor]], "mixing.Loss"]
@@ -116,6 +119,14 @@ class RoundRule:
         return self.evidence and self.localises and self.config.personal_model == "separate"
 
     @property
+    def shared_adopts(self) -> bool:
+        """True when a separate personal model's shared model adopts the region's agreed model and
+        every world change whole, key layers included (``shared_model="agreed"``): WorldLM's member,
+        on which the region's attentive key layers and the leaders' residual exchange act unfiltered;
+        only the personal model mixes by evidence."""
+        return self.separate_personal and self.config.shared_model == "agreed"
+
+    @property
     def personal(self) -> "RoundRule":
         """The rule of a separate personal model's mix: this rule with one model per member
         (``personal_model="inline"``), so that :func:`member_mix` mixes by ``personal_scope``."""
@@ -169,6 +180,12 @@ class RoundRule:
         instead of adopting the world's mean backbone and exchanging only K's residuals."""
         return self.residual_exchange and self.config.world_target == "attention"
 
+    @property
+    def usage_rows(self) -> bool:
+        """True when the attentive key layers are weighted per row by the members' token usage
+        (``usage_rows``; :func:`worldlm_p2p.attention.row_priors`)."""
+        return self.strategy.attentive and self.config.usage_rows
+
     def residual_part(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors whose residual a world round exchanges: K, or the whole model with
         :attr:`world_attention`."""
@@ -215,19 +232,24 @@ def region_average(rule: RoundRule, payloads: Sequence[Sequence[torch.Tensor]], 
                          codecs=payload_codecs(rule, payloads[0]) if payloads else None)
 
 
-def region_payload(rule: RoundRule, params: Sequence[torch.Tensor], anchor: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def region_payload(rule: RoundRule, params: Sequence[torch.Tensor], anchor: Sequence[torch.Tensor], *,
+                   usage: torch.Tensor | None = None) -> list[torch.Tensor]:
     """A member's all-reduce payload: its change since the round's ``anchor`` (the outer gradient,
     up to sign) of B (or the whole model), then the encoded change of K for ``worldlm``
     (:func:`worldlm_p2p.attention.encode_key_layers`). Every member of a round holds the same anchor,
     so the average of the changes plus the anchor is the average of the models; changes are small
-    numbers that the wire can carry in 16 or 8 bits (:mod:`worldlm_p2p.compression`)."""
+    numbers that the wire can carry in 16 or 8 bits (:mod:`worldlm_p2p.compression`).
+    With :attr:`RoundRule.usage_rows`, ``usage`` is the member's token counts
+    (:func:`worldlm_p2p.attention.token_usage`; None: it shares none) and K's weights are per row."""
     if not rule.strategy.averages:
         raise ValueError(f"strategy {rule.strategy.name} never averages")
     out = [p.detach().to(torch.float32) - a.detach().to(torch.float32)
            for p, a in zip(rule.backbone(params), rule.backbone(anchor))]
     if rule.strategy.attentive:
-        out += attention.encode_key_layers(rule.split.take_key(params), rule.split.take_key(anchor),
-                                           form=rule.config.attention, tau=rule.config.tau)
+        key_anchor = rule.split.take_key(anchor)
+        priors = attention.row_priors(key_anchor, usage) if rule.usage_rows else None
+        out += attention.encode_key_layers(rule.split.take_key(params), key_anchor, form=rule.config.attention,
+                                           tau=rule.config.tau, priors=priors)
     return out
 
 
@@ -252,7 +274,8 @@ def region_step(rule: RoundRule, averaged: Sequence[torch.Tensor], *, params: Se
     if rule.strategy.personal_key:
         model = rule.split.merge(new_b, [p.detach().clone() for p in rule.split.take_key(params)])
         return model, [t.clone() for t in model], new_m
-    agreed_k = attention.decode_key_layers(averaged[n_b:], rule.split.take_key(anchor), eps=rule.config.eps)
+    agreed_k = attention.decode_key_layers(averaged[n_b:], rule.split.take_key(anchor), eps=rule.config.eps,
+                                           rows=rule.usage_rows)
     agreed = rule.split.merge(new_b, agreed_k)
     if rule.evidence:
         return [p.detach().clone() for p in params], agreed, new_m
@@ -298,6 +321,8 @@ def member_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], agreed: Sequence
     ``own_loss``: the slice loss of ``own`` when already known."""
     if not rule.evidence:
         raise ValueError(f"member_mix is the evidence rule; this rule mixes by {rule.config.mix!r}")
+    if rule.shared_adopts:  # the shared model is the region's agreed model
+        return [t.detach().clone() for t in agreed], ADOPTED
     if rule.personal_key_only:  # the member adopts the region's backbone and mixes its own key layers
         own = rule.split.merge([t.detach().clone() for t in rule.split.take_backbone(agreed)],
                                [t.detach().clone() for t in rule.split.take_key(own)])
@@ -344,7 +369,10 @@ def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Se
     otherwise the whole change (rebasing: the local progress made meanwhile is kept). The evidence
     search tries at most ``mix_world_max`` of the change (:func:`world_grid`; by default a
     quarter, :data:`WORLD_GRID`); with ``personal_scope="parts"`` that bounds the key layers' part,
-    and the backbone's may be taken whole; with ``"key"`` the backbone's part is added whole."""
+    and the backbone's may be taken whole; with ``"key"`` the backbone's part is added whole. A
+    shared model that adopts (:attr:`RoundRule.shared_adopts`) adds the whole change."""
+    if rule.shared_adopts:
+        return [t + d.to(t.dtype) for t, d in zip(own, change)], ADOPTED
     if rule.evidence and rule.config.mix_world:
         if rule.personal_key_only:  # the whole change of the backbone, the key layers' by evidence
             backbone_step, change = rule.part_steps(change)
@@ -375,7 +403,8 @@ def region_round(rule: RoundRule, members: Sequence[Sequence[torch.Tensor]], wei
 def region_round_with_anchor(rule: RoundRule, members: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], *,
                              anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None,
                              loss_of: Sequence[LossOf | None] | None = None,
-                             choices: list | None = None, max_weight: float | None = None
+                             choices: list | None = None, max_weight: float | None = None,
+                             usage: Sequence[torch.Tensor | None] | None = None
                              ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor] | None, list[torch.Tensor]]:
     """:func:`region_round` plus the region's new agreed model (see :func:`region_step`). With
     ``mix="evidence"``, ``loss_of[i]`` is member ``i``'s tune-slice loss (None: no slice) and each
@@ -390,7 +419,8 @@ def region_round_with_anchor(rule: RoundRule, members: Sequence[Sequence[torch.T
         if choices is not None and rule.evidence:
             choices.append(None)
         return [own], momentum, [t.clone() for t in own]
-    payloads = [region_payload(rule, p, anchor) for p in members]
+    usage = list(usage) if usage is not None else [None] * len(members)
+    payloads = [region_payload(rule, p, anchor, usage=u) for p, u in zip(members, usage)]
     averaged = region_average(rule, payloads, weights, max_weight=max_weight)
     out, new_m, agreed = [], momentum, None
     for i, p in enumerate(members):

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from worldlm_p2p import compression
+from worldlm_p2p import attention, compression
 from worldlm_p2p.aggregation import allreduce_traffic, max_round_weight, round_weight
 from worldlm_p2p.config import AggregationConfig, ModelConfig, PrivacyConfig, TokenizerSpec, TrainConfig, _require
 from worldlm_p2p.errors import ConfigError, DataError
@@ -102,6 +102,8 @@ class VirtualPeer:
     # personal_model="separate": the personal model's trainer (its model: ``personal.model``),
     # trained on the same batches as the shared ``model``; None: the member holds one model
     personal: LocalTrainer | None = None
+    # usage_rows: its token counts over its training text (None: it shares none)
+    usage: torch.Tensor | None = None
 
     @property
     def held(self) -> LocalTrainer:
@@ -173,6 +175,10 @@ class Simulator:
         except ValueError as e:
             raise ConfigError(f"aggregation.key_layers: {e}") from None
         self.rule = RoundRule.from_config(agg, split, seed=t.seed) if split is not None else None
+        if self.rule is not None and self.rule.usage_rows and self._dp_sgd(steps=1) is None:
+            rows = base.get_input_embeddings().weight.shape[0]
+            for p in self.peers:
+                p.usage = attention.token_usage(p.data.train, rows)
         self.central: LocalTrainer | None = None
         if kind.pooled:
             pooled = TokenData(train=torch.cat([p.data.train for p in self.peers]), valid=self.peers[0].data.valid,
@@ -232,7 +238,7 @@ class Simulator:
                 choices: list = []
                 new, momenta[name], anchors[name] = region_round_with_anchor(
                     rule, params, weights, anchor=anchors[name], momentum=momenta.get(name),
-                    loss_of=[self._loss_of(p) for p in members], choices=choices,
+                    loss_of=[self._loss_of(p) for p in members], choices=choices, usage=[p.usage for p in members],
                     max_weight=max_round_weight(inner_steps=self.config.train.inner_steps,
                                                 batch_size=self.config.train.batch_size,
                                                 seq_len=self.config.train.seq_len))
@@ -443,9 +449,9 @@ class Simulator:
                         p.tokens += res.tokens
                         p.tokens_since_round += res.tokens
                         p.tokens_since_world += res.tokens
-                        p.last_train_loss = res.loss
                         if p.personal is not None:  # the same batch (a pure function of the step)
-                            p.personal.train_step(p.step - 1)
+                            res = p.personal.train_step(p.step - 1)
+                        p.last_train_loss = res.loss  # the held model's, as a swarm peer reports it
                     self.on_progress((r - 1) * H * len(self.peers) + (i + 1) * H, total)
                 self._round = r
                 if self.rule.strategy.averages and cfg.aggregation.overlap:

@@ -291,3 +291,60 @@ def test_personalize_limits_and_errors():
         personalize(own, ref, agg, tau=0.0)
     with pytest.raises(ValueError):
         personalize([torch.zeros(3)], [torch.zeros(2)], [torch.zeros(2)], tau=1.0)
+
+
+# ------------------------------------------------------------ rows weighted by the members' token usage
+
+
+def test_usage_rows_hand_computed():
+    """Two members of equal tokens, a token-indexed layer of 3 rows (vocabulary 3) and another
+    layer. A uses token 0 ten times, B token 1: smoothed priors (count + 1) / (10 + 3), so row 0
+    weighs A 11/12 and B 1/12, row 1 the reverse, row 2 (nobody's token) 1/2 each; the other layer
+    keeps the per-layer weights (``mean``: 1/2 each)."""
+    from worldlm_p2p.attention import row_priors, token_usage
+
+    ref = [torch.zeros(3, 1), torch.zeros(2, 2)]
+    keys = [[torch.ones(3, 1), torch.full((2, 2), 2.0)], [-torch.ones(3, 1), torch.zeros(2, 2)]]
+    usage = [token_usage(T([0] * 10), 3), token_usage(T([1] * 10), 3)]
+    assert usage[0].tolist() == [10.0, 0.0, 0.0]
+    pa = row_priors(ref, usage[0])
+    assert torch.allclose(pa[0], T([11 / 13, 1 / 13, 1 / 13], dtype=torch.float64))
+    assert torch.allclose(pa[1], T([0.5, 0.5], dtype=torch.float64))  # not token-indexed: uniform
+    want = [T([[5 / 6], [-5 / 6], [0.0]]), torch.ones(2, 2)]
+    out = attentive_aggregate(keys, ref, [1.0, 1.0], form="mean", tau=1.0, usage=usage)
+    _close(out, want)
+    # one all-reduce (what the swarm runs) gives the same
+    payloads = [encode_key_layers(k, ref, form="mean", tau=1.0, priors=row_priors(ref, u)) for k, u in zip(keys, usage)]
+    assert payloads[0][-1].numel() == 3 + 2  # one denominator per row
+    _close(decode_key_layers(weighted_mean(payloads, [1.0, 1.0]), ref, eps=1.0, rows=True), want)
+    # the order of the members does not matter
+    _close(attentive_aggregate(keys[::-1], ref, [1.0, 1.0], form="mean", tau=1.0, usage=usage[::-1]), want)
+
+
+@pytest.mark.parametrize("form", ["distance", "cosine", "mean"])
+def test_usage_rows_allreduce_equals_the_central_rule_and_without_counts_is_per_layer(form):
+    from worldlm_p2p.attention import row_priors
+
+    keys, ref, tokens = _rand_peers(4, seed=11, scale=0.3)
+    vocab = ref[0].shape[0]
+    g = torch.Generator().manual_seed(3)
+    usage = [torch.randint(0, 50, (vocab,), generator=g).double() for _ in keys[:-1]] + [None]  # one keeps its counts
+    central = attentive_aggregate(keys, ref, tokens, form=form, tau=0.2, usage=usage)
+    payloads = [encode_key_layers(k, ref, form=form, tau=0.2, priors=row_priors(ref, u)) for k, u in zip(keys, usage)]
+    _close(decode_key_layers(weighted_mean(payloads, tokens), ref, eps=1.0, rows=True), central, atol=1e-5)
+    for p in (row_priors(ref, u) for u in usage):  # every prior is a distribution over its layer's rows
+        assert all(abs(float(c.sum()) - 1.0) < 1e-12 for c in p)
+    # nobody's counts: each row weighs every member as the per-layer rule does
+    _close(attentive_aggregate(keys, ref, tokens, form=form, tau=0.2, usage=[None] * len(keys)),
+           attentive_aggregate(keys, ref, tokens, form=form, tau=0.2), atol=1e-6)
+    with pytest.raises(ValueError, match="non-negative"):
+        row_priors(ref, -torch.ones(vocab))
+
+
+def test_usage_rows_a_row_with_a_bad_denominator_keeps_its_reference():
+    ref = [torch.zeros(3, 2)]
+    averaged = [torch.ones(3, 2), T([0.5, 0.0, float("nan")])]
+    out = decode_key_layers(averaged, ref, eps=1.0, rows=True)[0]
+    assert torch.equal(out, T([[2.0, 2.0], [0.0, 0.0], [0.0, 0.0]]))
+    with pytest.raises(ValueError, match="one per row"):
+        decode_key_layers([torch.ones(3, 2), T([1.0])], ref, eps=1.0, rows=True)

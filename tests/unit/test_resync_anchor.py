@@ -45,6 +45,8 @@ class _Server:
 
 
 class _Member:
+    usage = None  # (no token counts: aggregation.usage_rows is off)
+
     def __init__(self, params):
         self._params = params
 

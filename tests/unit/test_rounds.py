@@ -797,3 +797,56 @@ def test_separate_personal_model_shared_rounds_are_key_only_and_the_personal_mix
         personal_mix(_exact(robust="mean"), personal=personal, shared=shared, loss_of=None)
     with pytest.raises(ConfigError, match="personal_scope"):
         RoundRule.of(SPLIT, personal_scope="key")  # what the shared model does already
+
+
+def test_a_shared_model_that_adopts_takes_the_agreed_model_and_every_world_change_whole() -> None:
+    """``shared_model="agreed"``: the shared model is WorldLM's member: it takes the region's agreed
+    model (the attentive key layers included) and the whole world change, whatever its slice says
+    and with or without one, and records a weight of 1 without a search; the personal mix is the
+    default's."""
+    from worldlm_p2p.errors import ConfigError
+    from worldlm_p2p.rounds import ADOPTED, member_mix, member_world_mix, personal_mix
+
+    g = torch.Generator().manual_seed(17)
+    personal, shared, agreed = _model(g), _model(g), _model(g)
+    rule = RoundRule.of(SPLIT, robust="mean", shared_model="agreed")
+    assert rule.shared_adopts and rule.separate_personal and not RoundRule.of(SPLIT, robust="mean").shared_adopts
+    assert not RoundRule.of(SPLIT, shared_model="agreed", personal_model="inline").shared_adopts
+
+    def slice_wants(target):
+        return lambda params: float(sum((p - t).pow(2).sum() for p, t in zip(params, target)))
+
+    for loss_of in (slice_wants(shared), slice_wants(agreed), None):  # its own model preferred, or no slice
+        out, choice = member_mix(rule, own=shared, agreed=agreed, loss_of=loss_of)
+        assert choice is ADOPTED and choice.lam == 1.0 and not choice.evaluated
+        assert all(torch.equal(x, y) for x, y in zip(out, agreed))
+    change = [torch.full(s, 0.5) for s in SHAPES]
+    out, choice = member_world_mix(rule, own=shared, change=change, loss_of=slice_wants(shared))
+    assert choice is ADOPTED
+    assert all(torch.equal(x, s + 0.5) for x, s in zip(out, shared))  # K's part too, not a quarter of it
+    # the personal model's mix is the default's (by parts, on its slice)
+    a, ca = personal_mix(rule, personal=personal, shared=shared, loss_of=slice_wants(shared))
+    b, cb = personal_mix(RoundRule.of(SPLIT, robust="mean"), personal=personal, shared=shared,
+                         loss_of=slice_wants(shared))
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and (ca.lam, ca.second_lam) == (cb.lam, cb.second_lam)
+    with pytest.raises(ConfigError, match="shared_model"):
+        RoundRule.of(SPLIT, shared_model="whole")
+
+
+def test_region_round_with_usage_rows_equals_the_central_rule():
+    """``usage_rows``: the region's agreed key layers are the per-row attentive aggregate of the
+    members' token counts (K here is the ``kv`` pair: the (2, 2) layer has 2 rows, the counts'
+    length, so its rows are weighted by them; the (2,) one too), the backbone the plain mean."""
+    anchor, members, tokens = _region(seed=5, scale=0.3)
+    usage = [T([5.0, 0.0]), T([0.0, 9.0]), None][:len(members)] + [None] * max(0, len(members) - 3)
+    rule = _exact(robust="mean", mix="none", usage_rows=True)
+    assert rule.usage_rows and not _exact(robust="mean").usage_rows
+    assert not _exact(robust="mean", strategy="hierfavg", usage_rows=True).usage_rows  # K is not apart
+    out, _, agreed = region_round_with_anchor(rule, members, tokens, anchor=anchor, momentum=None, usage=usage)
+    want_k = attention.attentive_aggregate([SPLIT.take_key(m) for m in members], SPLIT.take_key(anchor), tokens,
+                                           form="distance", tau=0.1, usage=usage)
+    _close(SPLIT.take_key(agreed), want_k, atol=1e-5)
+    _close(SPLIT.take_backbone(agreed), weighted_mean([SPLIT.take_backbone(m) for m in members], tokens))
+    plain, _, _ = region_round_with_anchor(_exact(robust="mean", mix="none"), members, tokens, anchor=anchor,
+                                           momentum=None)
+    assert not torch.allclose(SPLIT.take_key(agreed)[0], SPLIT.take_key(plain[0])[0])  # the counts mattered

@@ -38,6 +38,8 @@ FLAGS = (
     Flag("aggregation", "attention", "K rule in a region"),
     Flag("aggregation", "tau", "attention temperature"),
     Flag("aggregation", "eps", "attention step size"),
+    Flag("aggregation", "usage_rows", "weigh each member's rows of the token embeddings and the LM head by its "
+                                      "token counts (when it defaults to off: on; when on: off)"),
     Flag("aggregation", "residual", "no residual-embedding exchange in world rounds"),
     Flag("aggregation", "residual_beta", "step towards similar regions' key layers"),
     Flag("aggregation", "residual_tau", "temperature of the cross-region attention"),
@@ -65,6 +67,9 @@ FLAGS = (
     Flag("aggregation", "personal_model", "with --mix evidence: separate (each member trains a personal model "
                                           "beside the shared one its rounds average, and mixes it towards that; "
                                           "default) or inline (one model per member)"),
+    Flag("aggregation", "shared_model", "with --personal-model separate: what the shared model takes of a round: "
+                                        "evidence (the agreed backbone whole, key layers by its tune slice; "
+                                        "default) or agreed (the agreed model and every world change whole)"),
     Flag("aggregation", "outer", "outer optimizer"),
     Flag("aggregation", "outer_lr", "outer learning rate"),
     Flag("aggregation", "outer_momentum", "Nesterov momentum"),

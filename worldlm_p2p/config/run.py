@@ -16,9 +16,9 @@ from typing import Any, Mapping
 
 from worldlm_p2p.errors import ConfigError
 from worldlm_p2p.kinds import (ATTENTION_FORMS, MIX_RULES, OUTER_OPTIMIZERS, PERSONAL_MODELS, PERSONAL_SCOPES, ROBUST_RULES,
-                               ROUND_SCHEDULES, STRATEGY_NAMES, SWARM_STRATEGIES, WIRE_CODECS, WORLD_TARGETS,
+                               ROUND_SCHEDULES, SHARED_MODELS, STRATEGY_NAMES, SWARM_STRATEGIES, WIRE_CODECS, WORLD_TARGETS,
                                AttentionForm, MixRule, OuterOptimizer, PersonalModel, PersonalScope, RobustRule, RoundSchedule,
-                               StrategyName, WireCodec, WorldTarget)
+                               SharedModel, StrategyName, WireCodec, WorldTarget)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
@@ -157,6 +157,12 @@ class AggregationConfig:
       (``embed_head``, the default: the token embeddings and the LM head, as DEPT localises them,
       arXiv 2410.05402; ``kv``; ``last30``) or comma-separated ``fnmatch`` patterns.
     - ``attention`` / ``tau`` / ``eps``: the K rule inside a region (:mod:`worldlm_p2p.attention`).
+    - ``usage_rows``: weigh each member's rows of the token-indexed key layers (the token
+      embeddings and the LM head) by how often the token occurs in its training text, so that a
+      token's row takes its change from the members that use it instead of a mean diluted by those
+      that never see it (:func:`worldlm_p2p.attention.row_priors`). Each member then shares its
+      token counts (a unigram histogram of its text, inside the all-reduce); under DP-SGD it
+      shares none and weighs its rows uniformly.
     - ``world_every``: a world round after every M-th region round (``worldlm`` and ``hierfavg``).
     - ``residual`` / ``residual_dim`` / ``residual_tau`` / ``residual_beta``: cross-region sharing of
       K by residual embeddings (:mod:`worldlm_p2p.residual`).
@@ -205,6 +211,12 @@ class AggregationConfig:
       forward-backward pass per step and a second copy of the model and optimizer state; the bytes
       on the wire are the same. ``"inline"``: one model per member, both averaged and personal
       (the members' own models are what the region averages).
+    - ``shared_model``: with ``personal_model = "separate"``, what the shared model takes of a round.
+      ``"evidence"`` (the default): the agreed backbone and every world change of it whole, of the
+      agreed key layers (and of the world's change of them, up to ``mix_world_max``) what its tune
+      slice supports. ``"agreed"``: the region's agreed model and every world change whole, key
+      layers included (WorldLM's member: the region's attentive key layers and the residual
+      exchange of the leaders reach it unfiltered); only the personal model then mixes by evidence.
     - ``personal_tau``: the temperature of ``mix = "cosine"``.
     - ``outer`` / ``outer_lr`` / ``outer_momentum``: the outer optimizer applied to the backbone at
       region rounds (:mod:`worldlm_p2p.outer_optim`); ``sgd`` with lr 1 is FedAvg.
@@ -243,6 +255,7 @@ class AggregationConfig:
     attention: AttentionForm = "distance"
     tau: float = 0.1
     eps: float = 1.0
+    usage_rows: bool = False
     world_every: int = 1
     residual: bool = True
     residual_dim: int = 256
@@ -259,6 +272,7 @@ class AggregationConfig:
     personal_tau: float = 0.1
     personal_scope: PersonalScope = "parts"
     personal_model: PersonalModel = "separate"
+    shared_model: SharedModel = "evidence"
     outer: OuterOptimizer = "sgd"
     outer_lr: float = 1.0  # 1.0 with sgd = plain FedAvg: adopt the averaged model
     outer_momentum: float = 0.9  # nesterov only
@@ -301,6 +315,8 @@ class AggregationConfig:
                  f"{self.personal_scope!r} is not one of {', '.join(PERSONAL_SCOPES)}")
         _require(self.personal_model in PERSONAL_MODELS, "aggregation.personal_model",
                  f"{self.personal_model!r} is not one of {', '.join(PERSONAL_MODELS)}")
+        _require(self.shared_model in SHARED_MODELS, "aggregation.shared_model",
+                 f"{self.shared_model!r} is not one of {', '.join(SHARED_MODELS)}")
         _require(not (self.personal_model == "separate" and self.mix == "evidence" and self.personal_scope == "key"),
                  "aggregation.personal_scope", "\"key\" is what a separate personal model's shared model does "
                  "already; with personal_model = \"separate\" (the default) the personal model mixes by \"parts\" or "

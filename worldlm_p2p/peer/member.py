@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from worldlm_p2p import rounds
+from worldlm_p2p import attention, rounds
 from worldlm_p2p.rounds import RoundRule, mix_parts_record
 from worldlm_p2p.train import LocalTrainer, SliceEvaluator, get_flat_params, set_params
 
@@ -28,6 +28,12 @@ class Member:
         self.model, self.trainer, self.rule, self.stats = model, trainer, rule, stats
         self.personal = personal
         self._evaluator: SliceEvaluator | None = None
+        # usage_rows: this peer's token counts over its training text, which weigh its rows of the
+        # token-indexed key layers in region rounds (none under DP-SGD: its rows weigh uniformly)
+        self.usage: torch.Tensor | None = None
+        if rule.usage_rows and trainer.dp is None:
+            rows = model.get_input_embeddings().weight.shape[0]
+            self.usage = attention.token_usage(trainer.data.train, rows)
 
     @property
     def held(self) -> LocalTrainer:
@@ -102,6 +108,9 @@ class Member:
         parts = mix_parts_record(self.rule.personal if kind == "personal" else self.rule, choice)
         self.stats.mixes.append(dict(kind=kind, round=int(index), step=self.stats.step, lam=lam, gain=gain, **parts))
         what = {"region": "region's agreed model", "world": "world's change", "personal": "shared model"}[kind]
+        if choice is not None and not choice.evaluated:  # adopted without a search
+            logger.info("%s round %d: adopted the %s whole", kind, index, what)
+            return
         logger.info("%s round %d: took %.3g of the %s%s (tune-slice loss %.4f -> %.4f)", kind, index, lam, what,
                     f" (backbone; key layers {parts['key_lam']:.3g})" if parts else "",
                     choice.own_loss if choice is not None else float("nan"),

@@ -320,7 +320,7 @@ class RegionRound:
         s, anchor = self.stats, self.state.anchor
         tokens = s.tokens_since_round if tokens is None else tokens
         weight = aggregation.round_weight(tokens)
-        payload = rounds.region_payload(self.rule, pre, anchor)
+        payload = rounds.region_payload(self.rule, pre, anchor, usage=self.member.usage)
         relays = self.relays() if relay else []  # (an admitting region admits them too)
         self.averager.set_target_group_size(min(waiting + 1, self.averaging.target_group_size) + (1 if relays else 0))
         admitted = self.admitted()
