@@ -109,3 +109,23 @@ $PY benchmarks/quality.py --workdir "$S" --budgets long --corpora related,mixed 
 $PY benchmarks/quality.py --workdir "$S" --report-only --baselines centralized,fedavg,hierfavg,fedper \
    --ablation-corpora scripts,related,mixed,today,random --ablations inline,key-only,no-residual \
    --out benchmarks/out/quality-sep.json
+# 16. (eighth session) WorldLM's mechanisms under the two-model defaults, and three new forms of them
+#     (RESULTS.md, "WorldLM's mechanisms under the two-model defaults"): the short budget with 3 seeds
+#     (K-mean with 5), K-mean and no-residual at the long budget, shared-agreed at the long budget on
+#     random (2 seeds: stopped there, see RESULTS.md)
+$PY benchmarks/quality.py --workdir "$S" --budgets short --baselines "" --ablation-corpora scripts,related,mixed,today,random \
+   --ablations world-attn,shared-agreed,usage-rows --out "$S/p16.json"
+$PY benchmarks/quality.py --workdir "$S" --budgets short --corpora related,mixed,today,random --baselines "" \
+   --ablation-corpora related,mixed,today,random --ablations agreed-usage --out "$S/p16b.json"
+$PY benchmarks/quality.py --workdir "$S" --budgets short --seeds 5 --corpora related,mixed,today,random --baselines "" \
+   --ablation-corpora related,mixed,today,random --ablations K-mean --out "$S/p16c.json"
+$PY benchmarks/quality.py --workdir "$S" --budgets long --corpora related,mixed --baselines "" \
+   --ablation-corpora related,mixed --ablations K-mean --out "$S/p16d.json"
+$PY benchmarks/quality.py --workdir "$S" --budgets long --corpora mixed --baselines "" \
+   --ablation-corpora mixed --ablations no-residual --out "$S/p16e.json"
+$PY benchmarks/quality.py --workdir "$S" --budgets long --corpora random --seeds 2 --baselines "" \
+   --ablation-corpora random --ablations shared-agreed --out "$S/p16f.json"
+$PY benchmarks/quality.py --workdir "$S" --report-only --baselines centralized,fedavg,hierfavg,fedper \
+   --ablation-corpora scripts,related,mixed,today,random \
+   --ablations inline,key-only,no-residual,K-mean,world-attn,shared-agreed,usage-rows,agreed-usage \
+   --out benchmarks/out/quality-sep.json

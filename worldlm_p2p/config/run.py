@@ -162,7 +162,8 @@ class AggregationConfig:
       token's row takes its change from the members that use it instead of a mean diluted by those
       that never see it (:func:`worldlm_p2p.attention.row_priors`). Each member then shares its
       token counts (a unigram histogram of its text, inside the all-reduce); under DP-SGD it
-      shares none and weighs its rows uniformly.
+      shares none and weighs its rows uniformly. Off by default: measured level with the per-layer
+      weights (``benchmarks/RESULTS.md``, issue 10, eighth session).
     - ``world_every``: a world round after every M-th region round (``worldlm`` and ``hierfavg``).
     - ``residual`` / ``residual_dim`` / ``residual_tau`` / ``residual_beta``: cross-region sharing of
       K by residual embeddings (:mod:`worldlm_p2p.residual`).
@@ -217,6 +218,8 @@ class AggregationConfig:
       slice supports. ``"agreed"``: the region's agreed model and every world change whole, key
       layers included (WorldLM's member: the region's attentive key layers and the residual
       exchange of the leaders reach it unfiltered); only the personal model then mixes by evidence.
+      Measured: better where a region's members write related languages at the short budget, worse
+      at the long one and where a region mixes unrelated ones (``benchmarks/RESULTS.md``, issue 10).
     - ``personal_tau``: the temperature of ``mix = "cosine"``.
     - ``outer`` / ``outer_lr`` / ``outer_momentum``: the outer optimizer applied to the backbone at
       region rounds (:mod:`worldlm_p2p.outer_optim`); ``sgd`` with lr 1 is FedAvg.
