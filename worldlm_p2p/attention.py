@@ -85,8 +85,8 @@ def attentive_aggregate(keys: Sequence[Sequence[torch.Tensor]], reference: Seque
     ``keys[i][l]`` is layer ``l`` of peer ``i``; ``tokens[i]`` its token count since the last round.
     With ``usage`` (one per peer: its token counts, :func:`row_priors`), the weights are per row:
     ``a_ilr = n_i c_ir exp(s_il) / sum_j n_j c_jr exp(s_jl)``, ``c_ir`` the peer's smoothed
-    frequency of token ``r`` on a layer with one row per vocabulary token, 1 on any other layer's
-    rows (the per-layer weights)."""
+    frequency of token ``r`` on a layer with one row per vocabulary token, the uniform ``1 / rows``
+    on any other layer (the per-layer weights)."""
     if len(keys) == 0 or len(keys) != len(tokens):
         raise ValueError(f"need one token count per peer, got {len(keys)} peers and {len(tokens)} counts")
     if usage is not None and len(usage) != len(keys):
