@@ -39,7 +39,7 @@ FLAGS = (
     Flag("aggregation", "tau", "attention temperature"),
     Flag("aggregation", "eps", "attention step size"),
     Flag("aggregation", "usage_rows", "weigh each member's rows of the token embeddings and the LM head by its "
-                                      "token counts (when it defaults to off: on; when on: off)"),
+                                      "token counts, which it then shares with its region"),
     Flag("aggregation", "residual", "no residual-embedding exchange in world rounds"),
     Flag("aggregation", "residual_beta", "step towards similar regions' key layers"),
     Flag("aggregation", "residual_tau", "temperature of the cross-region attention"),
