@@ -22,8 +22,8 @@ def main() -> None:
     honest_payload, honest_weight = rounds.region_payload, aggregation.round_weight
     g = torch.Generator().manual_seed(7)
 
-    def payload(rule, params, anchor):
-        out = honest_payload(rule, params, anchor)
+    def payload(rule, params, anchor, **kwargs):  # (kwargs: what a genuine peer passes, e.g. its token usage)
+        out = honest_payload(rule, params, anchor, **kwargs)
         if attack == "scale":
             return [t * 1000 for t in out]
         if attack == "flip":
