@@ -85,6 +85,9 @@ ABLATIONS = {
     "attn-z2": ["--world-target", "attention", "--mix-z", "2"],
     "full-z2": ["--mix-world-max", "1", "--mix-z", "2"],
     "attn-full-z2": ["--world-target", "attention", "--mix-world-max", "1", "--mix-z", "2"],
+    # DiLoCo's outer optimizer (arXiv 2311.08105: Nesterov, lr 0.7, momentum 0.9) on the region's
+    # backbone; with two models per member only the shared model follows it, the personal one by evidence
+    "outer-nesterov": ["--outer", "nesterov", "--outer-lr", "0.7"],
 }
 DEFAULT_ABLATIONS = ("mix-none", "K-mean", "no-residual")  # the others on request (--ablations)
 

@@ -86,8 +86,18 @@ def _start_together(procs: Procs, tmp, maddrs, *, timeout: float = 180) -> dict:
     return peers
 
 
-def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path):
-    _, maddrs = start_bootstrap(procs, tmp_path, run_id="simeq", inner_steps=H)
+# the defaults, and the two options that change what a region round computes: the shared model
+# adopting the agreed model whole (K included), and K's rows weighted by each member's token counts
+# (counted by the peer from its own training text, by the simulator from the same text)
+VARIANTS = {
+    "defaults": "",
+    "agreed-usage": 'shared_model = "agreed"\nusage_rows = true',
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path, variant):
+    _, maddrs = start_bootstrap(procs, tmp_path, run_id="simeq", inner_steps=H, aggregation=VARIANTS[variant])
     peers = _start_together(procs, tmp_path, maddrs)
     for label, proc in peers.items():
         try:
@@ -103,10 +113,13 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path):
         (corpus / label).symlink_to(DEMO / REGION / label, target_is_directory=True)
     m = RunManifest.from_dict(tomllib.loads((tmp_path / "run.toml").read_text()))
     assert m.aggregation.strategy == "worldlm" and m.train.inner_steps == H
+    assert (m.aggregation.shared_model, m.aggregation.usage_rows) == (
+        ("agreed", True) if variant == "agreed-usage" else ("evidence", False))
     sim = _RecordingSimulator(SimConfig(data=str(corpus.parent), model=m.model, tokenizer=m.tokenizer, train=m.train,
                                         aggregation=m.aggregation, rounds=1, device="cpu"))
     results = sim.run()
     assert sorted(p.label for p in sim.peers) == sorted(SUBS)
+    assert all((p.usage is not None) == (variant == "agreed-usage") for p in sim.peers)
     sim_post = {p.label: get_flat_params(p.model) for p in sim.peers}
     # the default: every member also holds a personal model, mixed towards its shared one after the round
     sim_personal = {p.label: get_flat_params(p.personal.model) for p in sim.peers if p.personal is not None}
@@ -147,10 +160,25 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path):
         mixes = results["mixes"][f"{REGION}/{label}"]
         rec = next(m for m in mixes if m["kind"] == "region")
         assert t["mix_lam"] == pytest.approx(rec["lam"], abs=1e-6), label
+        if variant == "agreed-usage":  # the shared model is the agreed one, K included
+            assert rec["lam"] == 1 and max_abs_diff(t["post"], t["agreed"]) < 1e-7, label
         personal = next(m for m in mixes if m["kind"] == "personal")
         assert "key_lam" in personal
         err = max_abs_diff(t["personal"], sim_personal[label])
         assert err < 1e-5, (label, err)
+    if variant == "agreed-usage":
+        # the counts made a difference: the pure round on the swarm's own inputs gives its agreed model
+        # with the members' token counts, and a different one without them
+        from worldlm_p2p.rounds import region_round_with_anchor
+
+        usage = {p.label: p.usage for p in sim.peers}
+        agreed = {}
+        for counts in ("with", "without"):
+            _, _, agreed[counts] = region_round_with_anchor(
+                sim.rule, [t["pre"] for t in group], [t["weight"] for t in group], anchor=group[0]["anchor"],
+                momentum=None, usage=[usage[label] for label in SUBS] if counts == "with" else None)
+        assert max_abs_diff(group[0]["agreed"], agreed["with"]) < 1e-5
+        assert max_abs_diff(group[0]["agreed"], agreed["without"]) > 1e-4
     # and the held-out loss each peer measured at exit is the simulator's, as is the training loss it
     # reports (the held model's last step)
     sim_train = {p.label: p.last_train_loss for p in sim.peers}
