@@ -236,9 +236,29 @@ def test_the_slice_evaluator_gives_the_trainers_tune_losses_without_touching_its
     assert evaluator.tune_loss(own) != got
 
 
+def test_the_fused_adamw_step_is_torchs_reference_adamw_step(demo_tokens: TokenData) -> None:
+    """The trainer builds the fused AdamW on CPU (it is cheaper for small models:
+    benchmarks/step_cost.py): the same update as the foreach AdamW it replaced, the decayed and
+    the undecayed groups alike, up to rounding."""
+    trainer = _trainer(demo_tokens)
+    assert trainer.optimizer.defaults["fused"] is True
+    reference = _trainer(demo_tokens)
+    groups = [dict(params=list(g["params"]), weight_decay=g["weight_decay"]) for g in reference.optimizer.param_groups]
+    assert {g["weight_decay"] for g in groups} == {0.0, TRAIN.weight_decay} and TRAIN.weight_decay > 0
+    d = reference.optimizer.defaults
+    reference.optimizer = torch.optim.AdamW(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], foreach=True)
+    start = get_flat_params(trainer.model)
+    for step in range(3):
+        assert trainer.train_step(step).loss == pytest.approx(reference.train_step(step).loss, rel=1e-5)
+    got, want = get_flat_params(trainer.model), get_flat_params(reference.model)
+    assert max(float((g - s).abs().max()) for g, s in zip(got, start)) > 1e-4  # the steps moved the model
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+
+
 # -- the deferred step (CUDA's: no host-device round trip per step) ----------------------------------
-# Its mechanism runs on any device with the fused AdamW (on CUDA the trainer builds that one); here on
-# CPU, against the synchronous step with the same optimizer.
+# Its mechanism runs on any device with the fused AdamW (the trainer builds that one on CUDA and on
+# CPU; the helper below makes sure of it); here on CPU, against the synchronous step.
 
 
 def _fused(trainer: LocalTrainer) -> LocalTrainer:
