@@ -202,11 +202,21 @@ def payload_codecs(rule: RoundRule, payload: Sequence[torch.Tensor]) -> list[str
     """The wire codec of each tensor of a region payload (:func:`region_payload`'s layout), as it
     travels (:func:`worldlm_p2p.compression.effective_codec`): the backbone's change in
     ``compress_backbone``; for an attentive strategy the key layers' encoded change in
-    ``compress_key`` and the attention denominators, last, in float32."""
+    ``compress_key`` and the attention denominators, last, in float32.
+
+    With attention (any form but ``"mean"``) the key layers' encoded change is ``u (K - K_ref)``, and
+    ``u = exp(score)`` spans ``[exp(MIN_SCORE), 1]``: in fp16, whose smallest normal number is 6e-5,
+    a member whose key layers moved by more than a few times ``tau`` of their norm would send zeros
+    (and the group's numerator would round to zero while its float32 denominator did not, freezing
+    the region's K at its anchor), so ``compress_key = "fp16"`` carries that change in float32. The
+    8-bit codec scales each tensor to its own spread and keeps it."""
     n_b = len(rule.split.backbone) if rule.localises else len(rule.split.names)
     codecs = [rule.config.compress_backbone] * n_b
     if rule.strategy.attentive:
-        codecs += [rule.config.compress_key] * len(rule.split.key) + ["none"]
+        key_codec = rule.config.compress_key
+        if key_codec == "fp16" and rule.config.attention != "mean":
+            key_codec = "none"
+        codecs += [key_codec] * len(rule.split.key) + ["none"]
     if len(codecs) != len(payload):
         raise ValueError(f"a payload of {len(payload)} tensors, expected {len(codecs)}")
     return [compression.effective_codec(c, t.numel()) for c, t in zip(codecs, payload)]

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from worldlm_p2p import compression as C
-from worldlm_p2p.rounds import RoundRule, group_average, payload_codecs, region_payload, region_round
+from worldlm_p2p import attention
+from worldlm_p2p.rounds import (RoundRule, group_average, payload_codecs, region_payload, region_round,
+                                region_round_with_anchor)
 from worldlm_p2p.split import split_parameters
 
 T = torch.tensor
@@ -119,12 +121,36 @@ def test_payload_codecs_by_role():
     rule = RoundRule.of(SPLIT, strategy="worldlm", compress_backbone="int8", compress_key="fp16")
     anchor, members = _members()
     payload = region_payload(rule, members[0], anchor)
-    # backbone: embed (2048 values: int8), mlp (2048: int8); K encoded (fp16); the attention denominators in float32
-    assert payload_codecs(rule, payload) == ["int8", "int8", "fp16", "none"]
+    # backbone: embed (2048 values: int8), mlp (2048: int8); K's attention-weighted change in float32
+    # (fp16 would flush small attention weights to zero); the attention denominators in float32
+    assert payload_codecs(rule, payload) == ["int8", "int8", "none", "none"]
+    # with a plain mean (u = 1) K's change travels in fp16, and int8 scales each tensor to its spread
+    assert payload_codecs(RoundRule.of(SPLIT, strategy="worldlm", compress_backbone="int8", compress_key="fp16",
+                                       attention="mean"), payload) == ["int8", "int8", "fp16", "none"]
+    assert payload_codecs(RoundRule.of(SPLIT, strategy="worldlm", compress_backbone="int8", compress_key="int8"),
+                          payload)[2] == "int8"
     small = RoundRule.of(SPLIT, strategy="fedavg", compress_backbone="int8")
     assert payload_codecs(small, [torch.zeros(10), torch.zeros(2000), torch.zeros(1)]) == ["fp16", "int8", "fp16"]
     with pytest.raises(ValueError, match="expected"):
         payload_codecs(rule, payload[:-1])
+
+
+def test_attentive_key_layers_that_moved_far_are_not_flushed_to_zero_by_fp16():
+    """Distance attention with tau 0.1 gives a member whose K moved by 3x its norm u = exp(-30), and
+    the encoded change u (K - K_ref) is far below fp16's smallest number: in fp16 the region's K
+    would stay at its anchor. The round with the default codecs equals the float32 round."""
+    rule = RoundRule.of(SPLIT, strategy="worldlm", robust="mean", compress_backbone="fp16", compress_key="fp16")
+    exact = RoundRule.of(SPLIT, strategy="worldlm", robust="mean", compress_backbone="none", compress_key="none")
+    anchor, members = _members()
+    g = torch.Generator().manual_seed(1)
+    for m in members:  # K moved far from the anchor
+        m[1] = anchor[1] + 3.0 * anchor[1].norm() / anchor[1].numel() ** 0.5 * torch.randn(anchor[1].shape, generator=g)
+    u = torch.exp(attention.layer_scores([members[0][1]], [anchor[1]], form="distance", tau=0.1))
+    assert float(u) < 1e-10  # beyond fp16's range
+    _, _, agreed = region_round_with_anchor(rule, members, [1.0, 2.0, 3.0], anchor=anchor, momentum=None)
+    _, _, want = region_round_with_anchor(exact, members, [1.0, 2.0, 3.0], anchor=anchor, momentum=None)
+    assert float((agreed[1] - anchor[1]).abs().max()) > 0.1  # K moved
+    torch.testing.assert_close(agreed[1], want[1], rtol=0, atol=1e-6)  # as in float32
 
 
 def test_group_average_with_codecs_encodes_each_payload_and_the_result():
