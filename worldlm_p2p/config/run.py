@@ -232,6 +232,9 @@ class AggregationConfig:
     - ``compress_backbone`` / ``compress_key``: how a region round's payload travels, per tensor
       role: the backbone's change since the anchor, and the key layers' encoded change (``none``:
       float32; ``fp16``, the default; ``int8``: uniform 8-bit; :mod:`worldlm_p2p.compression`).
+      With attention over K (not ``"mean"``), ``compress_key = "fp16"`` sends the key layers'
+      attention-weighted change in float32: its weights span ``exp(-60)`` to 1, beyond fp16's range
+      (:func:`worldlm_p2p.rounds.payload_codecs`).
     - ``compress_world``: how a leader's region model travels in the leaders' all-reduce of a world
       round (``fp16``, the default; ``none``: float32). Unlike a region round's payload it is the
       model itself, not a change since a common anchor (leaders may hold different world rounds), so
