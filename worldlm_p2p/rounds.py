@@ -206,7 +206,7 @@ def payload_codecs(rule: RoundRule, payload: Sequence[torch.Tensor]) -> list[str
 
     With attention (any form but ``"mean"``) the key layers' encoded change is ``u (K - K_ref)``, and
     ``u = exp(score)`` spans ``[exp(MIN_SCORE), 1]``: in fp16, whose smallest normal number is 6e-5,
-    a member whose key layers moved by more than a few times ``tau`` of their norm would send zeros
+    a member whose key layers moved by more than about ten times ``tau`` of their norm would send zeros
     (and the group's numerator would round to zero while its float32 denominator did not, freezing
     the region's K at its anchor), so ``compress_key = "fp16"`` carries that change in float32. The
     8-bit codec scales each tensor to its own spread and keeps it."""
