@@ -31,7 +31,10 @@ def _state_bytes(trainer) -> int:
     return params + moments
 
 
-def measure(model: str, *, steps: int, blocks: int, batch_size: int, seq_len: int) -> dict:
+def demo_trainers(model: str, *, count: int, steps: int, batch_size: int, seq_len: int):
+    """``(initial model, train config, count trainers)``: copies of one initial ``model`` on CPU, one
+    torch thread, each training on the same demo sub-corpus with the same batch stream (what a
+    member's shared and personal models see). Shared with ``step_cost.py``."""
     import copy
 
     import torch
@@ -45,9 +48,12 @@ def measure(model: str, *, steps: int, blocks: int, batch_size: int, seq_len: in
     data = tokenize_splits(load_texts(sub), ByteTokenizer())
     train = TrainConfig(batch_size=batch_size, seq_len=seq_len, inner_steps=steps)
     base = build_model(model_preset(model), vocab_size=ByteTokenizer().vocab_size, seed=0)
-    make = lambda: LocalTrainer(model=copy.deepcopy(base), train=train, data=data,  # noqa: E731
-                                device=torch.device("cpu"), seed=peer_data_seed(0, sub.name))
-    shared, personal = make(), make()
+    return base, train, [LocalTrainer(model=copy.deepcopy(base), train=train, data=data, device=torch.device("cpu"),
+                                      seed=peer_data_seed(0, sub.name)) for _ in range(count)]
+
+
+def measure(model: str, *, steps: int, blocks: int, batch_size: int, seq_len: int) -> dict:
+    base, _, (shared, personal) = demo_trainers(model, count=2, steps=steps, batch_size=batch_size, seq_len=seq_len)
     step = 0
     for _ in range(3):  # warm-up: allocations, the optimizer's state
         shared.train_step(step)
@@ -84,6 +90,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps < 1 or args.blocks < 1:
         sys.exit("personal_cost.py: error: --steps and --blocks must be >= 1")
+    from worldlm_p2p.config import MODEL_PRESETS
+
+    unknown = [m.strip() for m in args.models.split(",") if m.strip() and m.strip() not in MODEL_PRESETS]
+    if unknown or not args.models.strip():
+        sys.exit(f"personal_cost.py: error: --models takes presets of {', '.join(MODEL_PRESETS)}, got {args.models!r}")
     rows = [measure(m.strip(), steps=args.steps, blocks=args.blocks, batch_size=args.batch_size, seq_len=args.seq_len)
             for m in args.models.split(",") if m.strip()]
     print("| model | parameters | s/step, one model | s/step, two models | ratio (median of blocks) | state, one | state, two |")

@@ -24,26 +24,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # personal_cost's demo trainers
 
 
 def measure(model: str, *, steps: int, blocks: int, batch_size: int, seq_len: int) -> dict:
-    import copy
-
     import torch
 
-    from worldlm_p2p.config import TrainConfig, model_preset
-    from worldlm_p2p.train import (ByteTokenizer, LocalTrainer, build_model, demo_data_dir, load_texts,
-                                   peer_data_seed, tokenize_splits)
+    from personal_cost import demo_trainers
     from worldlm_p2p.train import trainer as trainer_module
 
-    torch.set_num_threads(1)
-    sub = demo_data_dir() / "eu" / "nl_news"
-    data = tokenize_splits(load_texts(sub), ByteTokenizer())
-    train = TrainConfig(batch_size=batch_size, seq_len=seq_len, inner_steps=steps)
-    base = build_model(model_preset(model), vocab_size=ByteTokenizer().vocab_size, seed=0)
-    make = lambda: LocalTrainer(model=copy.deepcopy(base), train=train, data=data,  # noqa: E731
-                                device=torch.device("cpu"), seed=peer_data_seed(0, sub.name))
-    fused, foreach = make(), make()
+    base, train, (fused, foreach) = demo_trainers(model, count=2, steps=steps, batch_size=batch_size, seq_len=seq_len)
     if not fused.optimizer.defaults.get("fused"):
         raise SystemExit("step_cost.py: error: the trainer's AdamW is not the fused one on this device")
     foreach.optimizer = torch.optim.AdamW(trainer_module._param_groups(foreach.model, train.weight_decay),
@@ -52,6 +42,7 @@ def measure(model: str, *, steps: int, blocks: int, batch_size: int, seq_len: in
     times: dict[str, list[float]] = {"fused": [], "foreach": []}
     step = {"fused": 0, "foreach": 0}
     trainers = {"fused": fused, "foreach": foreach}
+
     def apart() -> float:
         return max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(fused.model.parameters(),
                                                                                foreach.model.parameters()))
@@ -88,6 +79,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps < 1 or args.blocks < 1:
         sys.exit("step_cost.py: error: --steps and --blocks must be >= 1")
+    from worldlm_p2p.config import MODEL_PRESETS
+
+    unknown = [m.strip() for m in args.models.split(",") if m.strip() and m.strip() not in MODEL_PRESETS]
+    if unknown or not args.models.strip():
+        sys.exit(f"step_cost.py: error: --models takes presets of {', '.join(MODEL_PRESETS)}, got {args.models!r}")
     rows = [measure(m.strip(), steps=args.steps, blocks=args.blocks, batch_size=args.batch_size, seq_len=args.seq_len)
             for m in args.models.split(",") if m.strip()]
     print("| model | parameters | s/step, fused AdamW | s/step, foreach AdamW | fused / foreach (median of blocks) "
