@@ -4,6 +4,7 @@ both honest members adopted it and their valid loss went 2.5 -> 295. Now each ho
 the change on its tune slice, refuses it, counts the leader's lease no more, and trains on."""
 
 import math
+import signal
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ MALICIOUS = Path(__file__).resolve().parents[2] / "benchmarks" / "malicious_peer
 DEMO = Path(__file__).resolve().parents[2] / "worldlm_p2p" / "demo_data"
 HONEST = (("eu-a", "de_news-reviews-wiki"), ("eu-b", "es_blog-news-reviews-wiki"))
 STEPS = 40
+MANY = 100_000  # the single-peer region trains until it is told to stop
 
 
 def test_a_world_change_of_random_tensors_is_refused_and_its_leader_lease_dropped(procs, tmp_path):
@@ -30,15 +32,19 @@ def test_a_world_change_of_random_tensors_is_refused_and_its_leader_lease_droppe
     mallory = next(line.split(" as ")[1].split()[0] for line in mlog.read_text().splitlines() if "joined run" in line)
     honest = [start_peer(procs, tmp_path, maddrs, region="eu", sub=sub, label=label, max_steps=STEPS,
                          extra=["--wait-for-peers", "3"]) for label, sub in HONEST]
-    na = start_peer(procs, tmp_path, maddrs, region="na", sub="en_email", label="na-a", max_steps=STEPS)
-    for p, label in [*zip(honest, (label for label, _ in HONEST)), (na, "na-a")]:
+    # na's leader lives until eu is done: a region of one peer trains fast, and had it finished before
+    # eu's first region round (the CI failure of e718847), mallory would have had no world round to lead
+    na = start_peer(procs, tmp_path, maddrs, region="na", sub="en_email", label="na-a", max_steps=MANY)
+    for p, label in zip(honest, (label for label, _ in HONEST)):
         try:
             code = p.wait(timeout=400)
         except Exception:
             raise AssertionError(f"{label} did not finish:\n{log_tail(tmp_path, label)}")
         assert code == 0, f"{label} exited {code}:\n{log_tail(tmp_path, label)}"
+    na.send_signal(signal.SIGTERM)
+    assert na.wait(timeout=90) == 0, f"na-a:\n{log_tail(tmp_path, 'na-a')}"
 
-    assert "world round" in mlog.read_text(errors="replace"), "mallory never led a world round"
+    assert "worldlm_p2p.net.world: world round" in mlog.read_text(errors="replace"), "mallory never led a world round"
     for label, _ in HONEST:
         log = (tmp_path / "logs" / f"{label}.log").read_text(errors="replace")
         refused = [line for line in log.splitlines() if "refused world round" in line]
