@@ -67,6 +67,7 @@ ABLATIONS = {
     "K-mean": ["--attention", "mean"],
     "usage-rows": ["--usage-rows"],  # K's rows weighted by the members' token counts
     "no-residual": ["--no-residual"],
+    "residual-others": ["--residual-reference", "others"],  # cross-region attention on departures from the others' mean
     "tune-spread": ["--tune-pieces", "8"],
     "tune-8k": ["--tune-tokens", "8192"],
     "world-full": ["--mix-world-max", "1"],

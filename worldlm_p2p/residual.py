@@ -9,7 +9,9 @@ similarities between regions' residuals can be estimated from a few hundred numb
 uses the same seed, so sketches are comparable.
 
 Cross-region attention, per layer ``l``: ``a_RG = softmax_G(cos(e_R,l, e_G,l) / tau)`` over the
-other regions *and R itself* (score ``1 / tau``), then
+other regions *and R itself* (score ``1 / tau``); with ``aggregation.residual_reference = "others"``
+the cosine is that of ``e_R - m`` and ``e_G - m``, ``m`` the mean of the other regions' embeddings
+(the residuals from the world's own mean point away from each other by construction); then
 ``K_R,l <- K_R,l + beta * sum_{G != R} a_RG,l (r_G,l - r_R,l)``.
 Including ``R`` in the softmax is our change to the design doc: with a softmax over the other
 regions only, a region with a single other region would always move towards it, however different.
@@ -65,23 +67,48 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def cross_region_weights(embeddings: Mapping[str, torch.Tensor], region: str, *,
-                         tau: float) -> dict[str, torch.Tensor]:
+                         tau: float, reference: str = "world") -> dict[str, torch.Tensor]:
     """``{G: a_RG}`` (one weight per layer, float64) for every region ``G`` in ``embeddings``,
-    ``region`` itself included; the weights of each layer sum to one."""
+    ``region`` itself included; the weights of each layer sum to one.
+
+    ``reference="world"``: ``G``'s score is ``cos(e_R, e_G) / tau``, the cosine of the two
+    residuals from the world's mean. ``reference="others"``: ``cos(e_R - m, e_G - m) / tau`` with
+    ``m`` the plain mean of the embeddings of the regions other than ``R`` and ``G``: the cosine of
+    the two regions' departures from the rest of the world (the world mean cancels in these
+    differences, and the count sketch is linear, so they are sketches of ``K_R - mean_X K_X``).
+    Residuals from a common mean point away from each other by construction (with two regions
+    their cosine is -1), so under ``"world"`` even twin regions rarely share; under ``"others"``
+    two regions that learned alike, apart from the rest, score near 1. With only ``R`` and ``G``
+    there is no rest to depart from: ``G`` gets weight 0. ``R``'s own score is ``1 / tau``."""
     if region not in embeddings:
         raise ValueError(f"region {region!r} has no embedding")
     if not tau > 0:
         raise ValueError(f"tau must be > 0, got {tau}")
+    if reference not in ("world", "others"):
+        raise ValueError(f"reference must be 'world' or 'others', got {reference!r}")
     names = sorted(embeddings)  # order-independent
-    own = embeddings[region]
+    own = embeddings[region].to(torch.float64)
     n_layers = own.shape[0]
+    for g in names:
+        if embeddings[g].shape != own.shape:
+            raise ValueError(f"region {g!r} embedding has shape {tuple(embeddings[g].shape)}, expected {tuple(own.shape)}")
     scores = torch.empty(len(names), n_layers, dtype=torch.float64)
     for gi, g in enumerate(names):
-        e = embeddings[g]
-        if e.shape != own.shape:
-            raise ValueError(f"region {g!r} embedding has shape {tuple(e.shape)}, expected {tuple(own.shape)}")
+        e = embeddings[g].to(torch.float64)
+        if g == region:
+            scores[gi] = 1.0 / tau
+            continue
+        if reference == "world":
+            a, b = own, e
+        else:
+            rest = [embeddings[x].to(torch.float64) for x in names if x not in (region, g)]
+            if not rest:
+                scores[gi] = float("-inf")
+                continue
+            m = torch.stack(rest).mean(dim=0)
+            a, b = own - m, e - m
         for l in range(n_layers):
-            scores[gi, l] = 1.0 / tau if g == region else _cosine(own[l], e[l]) / tau
+            scores[gi, l] = _cosine(a[l], b[l]) / tau
     a = torch.softmax(scores, dim=0)
     return {g: a[gi] for gi, g in enumerate(names)}
 

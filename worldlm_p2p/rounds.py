@@ -571,8 +571,11 @@ def residual_fetch_list(rule: RoundRule, embeddings: Mapping[str, torch.Tensor],
                         ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Cross-region weights of ``region`` and the other regions whose full residual it needs (with
     :attr:`RoundRule.world_attention`: one weight per other region, :func:`residual.region_attention`)."""
-    weigh = residual.region_attention if rule.world_attention else residual.cross_region_weights
-    weights = weigh(embeddings, region, tau=rule.config.residual_tau)
+    if rule.world_attention:
+        weights = residual.region_attention(embeddings, region, tau=rule.config.residual_tau)
+    else:
+        weights = residual.cross_region_weights(embeddings, region, tau=rule.config.residual_tau,
+                                                reference=rule.config.residual_reference)
     need = sorted(g for g, a in weights.items() if g != region and float(a.max()) >= FETCH_MIN_WEIGHT)
     return weights, need
 

@@ -128,6 +128,54 @@ def test_cross_region_weights_bad_inputs():
         cross_region_weights({"eu": torch.zeros(2, 2), "na": torch.zeros(2, 3)}, "eu", tau=1.0)
 
 
+def test_cross_region_weights_against_the_others_hand_computed():
+    emb = {"eu": T([[1.0, 0.0]]), "na": T([[1.0, 1.0]]), "asia": T([[-2.0, -1.0]])}
+    w = cross_region_weights(emb, "eu", tau=1 / LN2, reference="others")  # exp(score) = 2 ** cos
+    # na against the rest (asia): eu - asia = [3, 1], na - asia = [3, 2], cos = 11 / sqrt(130)
+    # asia against the rest (na): eu - na = [0, -1], asia - na = [-3, -2], cos = 2 / sqrt(13)
+    scores = {"eu": 2.0, "na": 2 ** (11 / math.sqrt(130)), "asia": 2 ** (2 / math.sqrt(13))}
+    total = sum(scores.values())
+    for g, v in scores.items():
+        assert w[g].dtype == F64
+        assert float(w[g][0]) == pytest.approx(v / total, abs=1e-12), g
+    # the same from na: eu against asia: cos([3, 2], [3, 1]); asia against eu: na - eu = [0, 1],
+    # asia - eu = [-3, -1]: cos = -1 / sqrt(10)
+    w = cross_region_weights(emb, "na", tau=1 / LN2, reference="others")
+    scores = {"na": 2.0, "eu": 2 ** (11 / math.sqrt(130)), "asia": 2 ** (-1 / math.sqrt(10))}
+    total = sum(scores.values())
+    assert all(float(w[g][0]) == pytest.approx(v / total, abs=1e-12) for g, v in scores.items())
+
+
+def test_cross_region_weights_against_the_others_properties():
+    g = torch.Generator().manual_seed(3)
+    u, x, y, z = (torch.randn(2, 40, generator=g, dtype=F64) for _ in range(4))
+    # a and b learned alike (u) apart from c; residuals from the world's mean
+    models = {"a": u + 0.1 * x, "b": u + 0.1 * y, "c": -2 * u + 0.1 * z, "d": 0.1 * x.flip(1)}
+    mean = sum(models.values()) / len(models)
+    emb = {r: (m - mean).float() for r, m in models.items()}
+    w = cross_region_weights(emb, "a", tau=0.1, reference="others")
+    assert torch.allclose(sum(w.values()), torch.ones(2, dtype=F64), atol=1e-12)
+    assert bool((w["b"] > 0.2).all()) and bool((w["c"] < 1e-3).all())  # the twin shares, the opposite not
+    # the world's mean cancels: shifting every embedding by one vector changes nothing
+    shift = torch.randn(2, 40, generator=g)
+    w_shift = cross_region_weights({r: e + shift for r, e in emb.items()}, "a", tau=0.1, reference="others")
+    assert all(torch.allclose(w[r], w_shift[r], atol=1e-6) for r in w)
+    # the order of the regions does not matter
+    w_rev = cross_region_weights(dict(reversed(list(emb.items()))), "a", tau=0.1, reference="others")
+    assert all(torch.allclose(w[r], w_rev[r], rtol=0, atol=1e-15) for r in w)
+    # two regions: nothing to depart from, so each keeps its own key layers (the update is the identity)
+    two = {"a": emb["a"], "b": emb["b"]}
+    w2 = cross_region_weights(two, "a", tau=0.1, reference="others")
+    assert torch.equal(w2["a"], torch.ones(2, dtype=F64)) and torch.equal(w2["b"], torch.zeros(2, dtype=F64))
+    key = [torch.randn(3, 4, generator=g), torch.randn(5, generator=g)]
+    res = [torch.randn(3, 4, generator=g), torch.randn(5, generator=g)]
+    other = [torch.randn(3, 4, generator=g), torch.randn(5, generator=g)]
+    out = cross_region_update(key, res, {"b": other}, {"b": w2["b"]}, beta=0.5)
+    assert all(torch.equal(o, k) for o, k in zip(out, key))
+    with pytest.raises(ValueError):
+        cross_region_weights(emb, "a", tau=0.1, reference="median")
+
+
 def test_cross_region_update_hand_computed():
     key = [T([1.0, 1.0]), torch.zeros(2, 2)]
     res = [T([1.0, 0.0]), T([[1.0, 0.0], [0.0, 0.0]])]

@@ -43,6 +43,8 @@ FLAGS = (
     Flag("aggregation", "residual", "no residual-embedding exchange in world rounds"),
     Flag("aggregation", "residual_beta", "step towards similar regions' key layers"),
     Flag("aggregation", "residual_tau", "temperature of the cross-region attention"),
+    Flag("aggregation", "residual_reference", "what the cross-region attention compares: world (residuals from the "
+                                              "world's mean) or others (departures from the other regions' mean)"),
     Flag("aggregation", "world_target", "where a worldlm world round moves a region: mean (the world's mean "
                                         "backbone) or attention (towards the regions whose residual sketches are "
                                         "most like its own, whole model)"),
