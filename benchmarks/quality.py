@@ -67,7 +67,8 @@ ABLATIONS = {
     "K-mean": ["--attention", "mean"],
     "usage-rows": ["--usage-rows"],  # K's rows weighted by the members' token counts
     "no-residual": ["--no-residual"],
-    "residual-others": ["--residual-reference", "others"],  # cross-region attention on departures from the others' mean
+    # the leaders' attention over the other regions, by how alike they departed from the rest
+    "residual-partners": ["--residual-attention", "partners"],
     "tune-spread": ["--tune-pieces", "8"],
     "tune-8k": ["--tune-tokens", "8192"],
     "world-full": ["--mix-world-max", "1"],

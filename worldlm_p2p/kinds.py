@@ -18,8 +18,8 @@ AttentionForm = Literal["distance", "cosine", "mean"]
 MixRule = Literal["evidence", "cosine", "none"]
 #: where a worldlm world round moves a region
 WorldTarget = Literal["mean", "attention"]
-#: what the leaders' cross-region attention over key-layer residuals compares (:func:`worldlm_p2p.residual.cross_region_weights`)
-ResidualReference = Literal["world", "others"]
+#: the leaders' cross-region attention over key-layer residuals (:func:`worldlm_p2p.residual.cross_region_weights`)
+ResidualAttention = Literal["world", "partners"]
 #: what the cosine personal mix covers
 PersonalScope = Literal["key", "all", "parts"]
 #: whether a worldlm member's personal model is a second model or the one it averages
@@ -40,7 +40,7 @@ STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)
 ATTENTION_FORMS: tuple[str, ...] = get_args(AttentionForm)
 MIX_RULES: tuple[str, ...] = get_args(MixRule)
 WORLD_TARGETS: tuple[str, ...] = get_args(WorldTarget)
-RESIDUAL_REFERENCES: tuple[str, ...] = get_args(ResidualReference)
+RESIDUAL_ATTENTIONS: tuple[str, ...] = get_args(ResidualAttention)
 PERSONAL_SCOPES: tuple[str, ...] = get_args(PersonalScope)
 PERSONAL_MODELS: tuple[str, ...] = get_args(PersonalModel)
 SHARED_MODELS: tuple[str, ...] = get_args(SharedModel)

@@ -9,14 +9,19 @@ similarities between regions' residuals can be estimated from a few hundred numb
 uses the same seed, so sketches are comparable.
 
 Cross-region attention, per layer ``l``: ``a_RG = softmax_G(cos(e_R,l, e_G,l) / tau)`` over the
-other regions *and R itself* (score ``1 / tau``); with ``aggregation.residual_reference = "others"``
-the cosine is that of ``e_R - m`` and ``e_G - m``, ``m`` the mean of the other regions' embeddings
-(the residuals from the world's own mean point away from each other by construction); then
+other regions *and R itself* (score ``1 / tau``), then
 ``K_R,l <- K_R,l + beta * sum_{G != R} a_RG,l (r_G,l - r_R,l)``.
 Including ``R`` in the softmax is our change to the design doc: with a softmax over the other
 regions only, a region with a single other region would always move towards it, however different.
 With ``R`` included, a dissimilar region gets little weight and ``R`` keeps its own layers; a twin
-region gets up to half of the weight.
+region gets up to half of the weight. Measured, that left ``R`` with all the weight nearly always
+(residuals from a common mean point away from each other), so the exchange moved nothing.
+
+*Partners* (``aggregation.residual_attention = "partners"``): the softmax is over the other regions
+only, scored by the cosine of ``e_R - m`` and ``e_G - m`` with ``m`` the mean of the remaining
+regions' embeddings (did ``R`` and ``G`` depart alike from the rest of the world?), and ``R``'s K
+moves ``beta`` of the way towards its partners. Whether that helps is then each member's decision,
+on its tune slice (the world change is mixed by evidence), so a dissimilar partner costs little.
 
 *World attention* (:func:`region_attention`, ``aggregation.world_target = "attention"``): the same
 sketches taken of the whole model's residual ``r_R = theta_R - theta_world`` (backbone and key
@@ -67,48 +72,53 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def cross_region_weights(embeddings: Mapping[str, torch.Tensor], region: str, *,
-                         tau: float, reference: str = "world") -> dict[str, torch.Tensor]:
+                         tau: float, form: str = "world") -> dict[str, torch.Tensor]:
     """``{G: a_RG}`` (one weight per layer, float64) for every region ``G`` in ``embeddings``,
     ``region`` itself included; the weights of each layer sum to one.
 
-    ``reference="world"``: ``G``'s score is ``cos(e_R, e_G) / tau``, the cosine of the two
-    residuals from the world's mean. ``reference="others"``: ``cos(e_R - m, e_G - m) / tau`` with
-    ``m`` the plain mean of the embeddings of the regions other than ``R`` and ``G``: the cosine of
-    the two regions' departures from the rest of the world (the world mean cancels in these
-    differences, and the count sketch is linear, so they are sketches of ``K_R - mean_X K_X``).
-    Residuals from a common mean point away from each other by construction (with two regions
-    their cosine is -1), so under ``"world"`` even twin regions rarely share; under ``"others"``
-    two regions that learned alike, apart from the rest, score near 1. With only ``R`` and ``G``
-    there is no rest to depart from: ``G`` gets weight 0. ``R``'s own score is ``1 / tau``."""
+    ``form="world"`` (WorldLM's): a softmax over every region, ``R`` itself with score ``1 / tau``
+    and each other ``G`` with ``cos(e_R, e_G) / tau``, the cosine of the two residuals from the
+    world's mean. Such residuals point away from each other by construction (with two regions
+    their cosine is -1), so ``R`` keeps nearly all the weight unless a region is its twin.
+
+    ``form="partners"``: a softmax over the *other* regions only (``R`` gets 0), each scored by
+    ``cos(e_R - m, e_G - m) / tau`` with ``m`` the plain mean of the embeddings of the regions other
+    than ``R`` and ``G``: whether ``R`` and ``G`` departed alike from the rest of the world (the world
+    mean cancels in these differences, and the count sketch is linear, so they are sketches of
+    ``K_R - mean_X K_X``). With one other region it gets the whole weight. The update then moves
+    ``R``'s key layers ``beta`` of the way towards its partners, and how much of that a member
+    takes is its tune slice's decision (:func:`worldlm_p2p.rounds.member_world_mix`)."""
     if region not in embeddings:
         raise ValueError(f"region {region!r} has no embedding")
     if not tau > 0:
         raise ValueError(f"tau must be > 0, got {tau}")
-    if reference not in ("world", "others"):
-        raise ValueError(f"reference must be 'world' or 'others', got {reference!r}")
+    if form not in ("world", "partners"):
+        raise ValueError(f"form must be 'world' or 'partners', got {form!r}")
     names = sorted(embeddings)  # order-independent
     own = embeddings[region].to(torch.float64)
     n_layers = own.shape[0]
     for g in names:
         if embeddings[g].shape != own.shape:
             raise ValueError(f"region {g!r} embedding has shape {tuple(embeddings[g].shape)}, expected {tuple(own.shape)}")
+    if form == "partners" and len(names) == 1:
+        return {region: torch.ones(n_layers, dtype=torch.float64)}
     scores = torch.empty(len(names), n_layers, dtype=torch.float64)
     for gi, g in enumerate(names):
         e = embeddings[g].to(torch.float64)
         if g == region:
-            scores[gi] = 1.0 / tau
+            scores[gi] = 1.0 / tau if form == "world" else float("-inf")
             continue
-        if reference == "world":
-            a, b = own, e
+        if form == "world":
+            x, y = own, e
         else:
-            rest = [embeddings[x].to(torch.float64) for x in names if x not in (region, g)]
-            if not rest:
-                scores[gi] = float("-inf")
+            rest = [embeddings[o].to(torch.float64) for o in names if o not in (region, g)]
+            if not rest:  # R and G alone: G is the only partner
+                scores[gi] = 0.0
                 continue
             m = torch.stack(rest).mean(dim=0)
-            a, b = own - m, e - m
+            x, y = own - m, e - m
         for l in range(n_layers):
-            scores[gi, l] = _cosine(a[l], b[l]) / tau
+            scores[gi, l] = _cosine(x[l], y[l]) / tau
     a = torch.softmax(scores, dim=0)
     return {g: a[gi] for gi, g in enumerate(names)}
 

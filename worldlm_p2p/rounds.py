@@ -575,7 +575,7 @@ def residual_fetch_list(rule: RoundRule, embeddings: Mapping[str, torch.Tensor],
         weights = residual.region_attention(embeddings, region, tau=rule.config.residual_tau)
     else:
         weights = residual.cross_region_weights(embeddings, region, tau=rule.config.residual_tau,
-                                                reference=rule.config.residual_reference)
+                                                form=rule.config.residual_attention)
     need = sorted(g for g, a in weights.items() if g != region and float(a.max()) >= FETCH_MIN_WEIGHT)
     return weights, need
 

@@ -243,15 +243,17 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
 
 
 @pytest.mark.extended  # in CI: tests/network/test_internet.py's single-peer region leads and adopts world rounds
-@pytest.mark.parametrize("world_codec", ["none", "fp16"])
-def test_regions_of_one_peer_take_part_in_world_rounds(procs, tmp_path, world_codec):
+@pytest.mark.parametrize("world_codec,residual_attention", [("none", "world"), ("fp16", "world"), ("fp16", "partners")])
+def test_regions_of_one_peer_take_part_in_world_rounds(procs, tmp_path, world_codec, residual_attention):
     """One peer per region (a region of one is still a region, as in the simulator): each peer is
     its region's leader and its model the region's; they run world rounds together, the network
     result is the pure world round on their models, and each takes of the world's change what its
     own tune slice supports (rounds.member_world_mix on the same inputs). ``fp16``: the leaders'
-    models travel in fp16 (``aggregation.compress_world``), and the pure round says so too."""
+    models travel in fp16 (``aggregation.compress_world``), and the pure round says so too.
+    ``partners``: each leader's only partner is the other region, whose full residual it fetches
+    over P2P and moves its K towards."""
     _, maddrs = start_bootstrap(procs, tmp_path, run_id="ones", inner_steps=5,
-                                aggregation=f'compress_world = "{world_codec}"')
+                                aggregation=f'compress_world = "{world_codec}"\nresidual_attention = "{residual_attention}"')
     peers = {lab: start_peer(procs, tmp_path, maddrs, region=region, sub=sub, label=lab, max_steps=MANY)
              for lab, region, sub in (("eu-a", "eu", "de_news-reviews-wiki"), ("na-a", "na", "na/en_email"))}
 
@@ -267,9 +269,11 @@ def test_regions_of_one_peer_take_part_in_world_rounds(procs, tmp_path, world_co
         raise AssertionError("\n".join(f"--- {lab}\n{log_tail(tmp_path, lab, 10)}" for lab in peers))
     from worldlm_p2p.rounds import hand_down, member_world_mix, world_round
 
-    rule = round_rule("worldlm", compress_world=world_codec)
+    rule = round_rule("worldlm", compress_world=world_codec, residual_attention=residual_attention)
     lead = {lab: world_traces(tmp_path, lab, leader=True)[w] for lab in peers}
     assert all(t["regions"] == ["eu", "na"] for t in lead.values())
+    if residual_attention == "partners":  # each fetched the other's residual
+        assert lead["eu-a"]["fetched"] == ["na"] and lead["na-a"]["fetched"] == ["eu"], {k: t["fetched"] for k, t in lead.items()}
     ref = world_round(rule, {"eu": lead["eu-a"]["snapshot"], "na": lead["na-a"]["snapshot"]},
                       {"eu": lead["eu-a"]["tokens"], "na": lead["na-a"]["tokens"]})
     assert max_abs_diff(lead["eu-a"]["model"], ref.models["eu"]) < 1e-4

@@ -128,52 +128,59 @@ def test_cross_region_weights_bad_inputs():
         cross_region_weights({"eu": torch.zeros(2, 2), "na": torch.zeros(2, 3)}, "eu", tau=1.0)
 
 
-def test_cross_region_weights_against_the_others_hand_computed():
+def test_cross_region_weights_of_partners_hand_computed():
     emb = {"eu": T([[1.0, 0.0]]), "na": T([[1.0, 1.0]]), "asia": T([[-2.0, -1.0]])}
-    w = cross_region_weights(emb, "eu", tau=1 / LN2, reference="others")  # exp(score) = 2 ** cos
+    w = cross_region_weights(emb, "eu", tau=1 / LN2, form="partners")  # exp(score) = 2 ** cos
     # na against the rest (asia): eu - asia = [3, 1], na - asia = [3, 2], cos = 11 / sqrt(130)
     # asia against the rest (na): eu - na = [0, -1], asia - na = [-3, -2], cos = 2 / sqrt(13)
-    scores = {"eu": 2.0, "na": 2 ** (11 / math.sqrt(130)), "asia": 2 ** (2 / math.sqrt(13))}
+    scores = {"na": 2 ** (11 / math.sqrt(130)), "asia": 2 ** (2 / math.sqrt(13))}
     total = sum(scores.values())
+    assert w["eu"].dtype == F64 and float(w["eu"][0]) == 0.0  # not a partner of itself
     for g, v in scores.items():
         assert w[g].dtype == F64
         assert float(w[g][0]) == pytest.approx(v / total, abs=1e-12), g
-    # the same from na: eu against asia: cos([3, 2], [3, 1]); asia against eu: na - eu = [0, 1],
+    # from na: eu against asia: cos([3, 2], [3, 1]); asia against eu: na - eu = [0, 1],
     # asia - eu = [-3, -1]: cos = -1 / sqrt(10)
-    w = cross_region_weights(emb, "na", tau=1 / LN2, reference="others")
-    scores = {"na": 2.0, "eu": 2 ** (11 / math.sqrt(130)), "asia": 2 ** (-1 / math.sqrt(10))}
+    w = cross_region_weights(emb, "na", tau=1 / LN2, form="partners")
+    scores = {"eu": 2 ** (11 / math.sqrt(130)), "asia": 2 ** (-1 / math.sqrt(10))}
     total = sum(scores.values())
     assert all(float(w[g][0]) == pytest.approx(v / total, abs=1e-12) for g, v in scores.items())
+    # the update moves eu's K beta of the way towards its partners' (r_G - r_R = K_G - K_R)
+    key, res = [T([1.0, 2.0])], [T([0.5, 0.0])]
+    others = {"na": [T([1.5, 1.0])], "asia": [T([-0.5, 4.0])]}
+    weights = {"na": T([0.75], dtype=F64), "asia": T([0.25], dtype=F64)}
+    out = cross_region_update(key, res, others, weights, beta=0.5)
+    # step = 0.75 * [1, 1] + 0.25 * [-1, 4] = [0.5, 1.75]; K + 0.5 * step = [1.25, 2.875]
+    assert torch.allclose(out[0], T([1.25, 2.875]))
 
 
-def test_cross_region_weights_against_the_others_properties():
+def test_cross_region_weights_of_partners_properties():
     g = torch.Generator().manual_seed(3)
-    u, x, y, z = (torch.randn(2, 40, generator=g, dtype=F64) for _ in range(4))
-    # a and b learned alike (u) apart from c; residuals from the world's mean
-    models = {"a": u + 0.1 * x, "b": u + 0.1 * y, "c": -2 * u + 0.1 * z, "d": 0.1 * x.flip(1)}
+    u, v, x, y, z = (torch.randn(2, 40, generator=g, dtype=F64) for _ in range(5))
+    # a and b learned alike (u) apart from c and d (which learned other things); residuals from the world's mean
+    models = {"a": u + 0.1 * x, "b": u + 0.1 * y, "c": -2 * u + 0.1 * z, "d": 2 * v}
     mean = sum(models.values()) / len(models)
     emb = {r: (m - mean).float() for r, m in models.items()}
-    w = cross_region_weights(emb, "a", tau=0.1, reference="others")
+    w = cross_region_weights(emb, "a", tau=0.1, form="partners")
     assert torch.allclose(sum(w.values()), torch.ones(2, dtype=F64), atol=1e-12)
-    assert bool((w["b"] > 0.2).all()) and bool((w["c"] < 1e-3).all())  # the twin shares, the opposite not
+    assert bool((w["b"] > 0.9).all()) and bool((w["c"] < 1e-3).all()) and bool((w["a"] == 0).all())
     # the world's mean cancels: shifting every embedding by one vector changes nothing
     shift = torch.randn(2, 40, generator=g)
-    w_shift = cross_region_weights({r: e + shift for r, e in emb.items()}, "a", tau=0.1, reference="others")
+    w_shift = cross_region_weights({r: e + shift for r, e in emb.items()}, "a", tau=0.1, form="partners")
     assert all(torch.allclose(w[r], w_shift[r], atol=1e-6) for r in w)
     # the order of the regions does not matter
-    w_rev = cross_region_weights(dict(reversed(list(emb.items()))), "a", tau=0.1, reference="others")
+    w_rev = cross_region_weights(dict(reversed(list(emb.items()))), "a", tau=0.1, form="partners")
     assert all(torch.allclose(w[r], w_rev[r], rtol=0, atol=1e-15) for r in w)
-    # two regions: nothing to depart from, so each keeps its own key layers (the update is the identity)
-    two = {"a": emb["a"], "b": emb["b"]}
-    w2 = cross_region_weights(two, "a", tau=0.1, reference="others")
-    assert torch.equal(w2["a"], torch.ones(2, dtype=F64)) and torch.equal(w2["b"], torch.zeros(2, dtype=F64))
+    # two regions: the other is the only partner; one region: itself, whole (the update is the identity)
+    w2 = cross_region_weights({"a": emb["a"], "b": emb["b"]}, "a", tau=0.1, form="partners")
+    assert torch.equal(w2["a"], torch.zeros(2, dtype=F64)) and torch.equal(w2["b"], torch.ones(2, dtype=F64))
+    w1 = cross_region_weights({"a": emb["a"]}, "a", tau=0.1, form="partners")
+    assert set(w1) == {"a"} and torch.equal(w1["a"], torch.ones(2, dtype=F64))
     key = [torch.randn(3, 4, generator=g), torch.randn(5, generator=g)]
     res = [torch.randn(3, 4, generator=g), torch.randn(5, generator=g)]
-    other = [torch.randn(3, 4, generator=g), torch.randn(5, generator=g)]
-    out = cross_region_update(key, res, {"b": other}, {"b": w2["b"]}, beta=0.5)
-    assert all(torch.equal(o, k) for o, k in zip(out, key))
+    assert all(torch.equal(o, k) for o, k in zip(cross_region_update(key, res, {}, w1, beta=0.5), key))
     with pytest.raises(ValueError):
-        cross_region_weights(emb, "a", tau=0.1, reference="median")
+        cross_region_weights(emb, "a", tau=0.1, form="median")
 
 
 def test_cross_region_update_hand_computed():

@@ -43,8 +43,9 @@ FLAGS = (
     Flag("aggregation", "residual", "no residual-embedding exchange in world rounds"),
     Flag("aggregation", "residual_beta", "step towards similar regions' key layers"),
     Flag("aggregation", "residual_tau", "temperature of the cross-region attention"),
-    Flag("aggregation", "residual_reference", "what the cross-region attention compares: world (residuals from the "
-                                              "world's mean) or others (departures from the other regions' mean)"),
+    Flag("aggregation", "residual_attention", "the leaders' attention over key-layer residuals: world (every region "
+                                              "and itself, residuals from the world's mean) or partners (the other "
+                                              "regions, by how alike they departed from the rest)"),
     Flag("aggregation", "world_target", "where a worldlm world round moves a region: mean (the world's mean "
                                         "backbone) or attention (towards the regions whose residual sketches are "
                                         "most like its own, whole model)"),

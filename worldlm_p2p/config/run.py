@@ -16,8 +16,8 @@ from typing import Any, Mapping
 
 from worldlm_p2p.errors import ConfigError
 from worldlm_p2p.kinds import (ATTENTION_FORMS, MIX_RULES, OUTER_OPTIMIZERS, PERSONAL_MODELS, PERSONAL_SCOPES, ROBUST_RULES,
-                               RESIDUAL_REFERENCES, ROUND_SCHEDULES, SHARED_MODELS, STRATEGY_NAMES, SWARM_STRATEGIES, WIRE_CODECS, WORLD_TARGETS,
-                               AttentionForm, MixRule, OuterOptimizer, PersonalModel, PersonalScope, ResidualReference, RobustRule, RoundSchedule,
+                               RESIDUAL_ATTENTIONS, ROUND_SCHEDULES, SHARED_MODELS, STRATEGY_NAMES, SWARM_STRATEGIES, WIRE_CODECS, WORLD_TARGETS,
+                               AttentionForm, MixRule, OuterOptimizer, PersonalModel, PersonalScope, ResidualAttention, RobustRule, RoundSchedule,
                                SharedModel, StrategyName, WireCodec, WorldTarget)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -167,13 +167,13 @@ class AggregationConfig:
     - ``world_every``: a world round after every M-th region round (``worldlm`` and ``hierfavg``).
     - ``residual`` / ``residual_dim`` / ``residual_tau`` / ``residual_beta``: cross-region sharing of
       K by residual embeddings (:mod:`worldlm_p2p.residual`).
-    - ``residual_reference``: what the leaders' attention over key-layer residuals compares.
-      ``"world"``: the cosine of two regions' residuals from the world's mean (the paper's; such
-      residuals point away from each other by construction, so a region keeps nearly all the
-      weight itself); ``"others"``: the cosine of their departures from the mean of the *other*
-      regions' key layers, i.e. whether they moved alike away from the rest of the world. With
-      two regions nothing is left to compare against: each keeps its own key layers
-      (:func:`worldlm_p2p.residual.cross_region_weights`).
+    - ``residual_attention``: the leaders' attention over key-layer residuals. ``"world"``
+      (WorldLM's): over every region and the region itself, by the cosine of the residuals from the
+      world's mean (such residuals point away from each other by construction, so a region keeps
+      nearly all the weight itself); ``"partners"``: over the other regions only, by the cosine of
+      their departures from the rest of the world (did two regions learn alike, apart from the
+      others?), the region's K moved ``residual_beta`` towards them, and each member takes of that
+      only what its tune slice supports (:func:`worldlm_p2p.residual.cross_region_weights`).
     - ``world_target``: where a ``worldlm`` world round moves a region. ``"mean"``: to the world's
       token-weighted mean backbone, K by residual embeddings (the paper's); ``"attention"``: towards
       the other regions whose residual sketches (of the whole model) are most like its own, backbone
@@ -274,7 +274,7 @@ class AggregationConfig:
     residual_dim: int = 256
     residual_tau: float = 0.1
     residual_beta: float = 0.5
-    residual_reference: ResidualReference = "world"
+    residual_attention: ResidualAttention = "world"
     world_target: WorldTarget = "mean"
     mix: MixRule = "evidence"
     mix_world: bool = True
@@ -314,8 +314,8 @@ class AggregationConfig:
         _require(self.residual_dim >= 1, "aggregation.residual_dim", "must be >= 1")
         _require(self.residual_tau > 0, "aggregation.residual_tau", "must be > 0")
         _require(0 <= self.residual_beta <= 1, "aggregation.residual_beta", "must be in [0, 1]")
-        _require(self.residual_reference in RESIDUAL_REFERENCES, "aggregation.residual_reference",
-                 f"{self.residual_reference!r} is not one of {', '.join(RESIDUAL_REFERENCES)}")
+        _require(self.residual_attention in RESIDUAL_ATTENTIONS, "aggregation.residual_attention",
+                 f"{self.residual_attention!r} is not one of {', '.join(RESIDUAL_ATTENTIONS)}")
         _require(self.world_target in WORLD_TARGETS, "aggregation.world_target",
                  f"{self.world_target!r} is not one of {', '.join(WORLD_TARGETS)}")
         _require(self.mix in MIX_RULES, "aggregation.mix", f"{self.mix!r} is not one of {', '.join(MIX_RULES)}")
