@@ -250,7 +250,7 @@ def test_world_round_worldlm_residual_hand_computed():
     #   -> K_eu' = [1.2, 3], K_na' = [2.8, 3]
     eu = [T([1.0, 2.0, 3.0]), T([[4.0, 0.0], [0.0, 0.0]]), T([1.0, 3.0]), torch.zeros(2, 3)]
     na = [T([3.0, 2.0, 1.0]), T([[0.0, 2.0], [0.0, 0.0]]), T([3.0, 3.0]), torch.ones(2, 3)]
-    rule = _exact(robust="mean", strategy="worldlm", residual=True, residual_dim=16, residual_tau=1 / LN2,
+    rule = _exact(robust="mean", strategy="worldlm", residual=True, residual_attention="world", residual_dim=16, residual_tau=1 / LN2,
                      residual_beta=0.5)
     res = world_round(rule, {"eu": eu, "na": na}, {"eu": 10.0, "na": 10.0})
     b_world = [T([2.0, 2.0, 2.0]), torch.full((2, 3), 0.5)]
@@ -265,7 +265,7 @@ def test_world_round_worldlm_residual_hand_computed():
     # a small residual_tau: the opposite region weighs 1 / (1 + e^(2/0.1)) < FETCH_MIN_WEIGHT, so it is
     # not fetched and K stays the region's own
     assert 1 / (1 + math.exp(20)) < FETCH_MIN_WEIGHT
-    rule = _exact(robust="mean", strategy="worldlm", residual=True, residual_dim=16, residual_tau=0.1)
+    rule = _exact(robust="mean", strategy="worldlm", residual=True, residual_attention="world", residual_dim=16, residual_tau=0.1)
     res = world_round(rule, {"eu": eu, "na": na}, {"eu": 10.0, "na": 10.0})
     assert res.fetched == {"eu": [], "na": []}
     _close(SPLIT.take_key(res.models["eu"]), SPLIT.take_key(eu))
@@ -298,7 +298,7 @@ def test_world_round_worldlm_partners_hand_computed():
 def test_world_round_worldlm_residual_matches_the_formula():
     regions, tokens = _regions(seed=6)
     names = sorted(regions)
-    rule = _exact(robust="mean", strategy="worldlm", residual=True, residual_dim=8, residual_tau=2.0,
+    rule = _exact(robust="mean", strategy="worldlm", residual=True, residual_attention="world", residual_dim=8, residual_tau=2.0,
                      residual_beta=0.7, seed=3)
     out = world_round(rule, regions, tokens)
     # independent reference: K_world = token-weighted mean of K; r_R = K_R - K_world; embeddings are

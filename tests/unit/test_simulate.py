@@ -357,18 +357,22 @@ def test_overlapped_rounds_equal_the_stale_pure_rounds(corpus, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["worldlm", "worldlm-mix-none", "hierfavg", "worldlm-border-dp",
-                                      "worldlm-attn-z2", "worldlm-attn-border-dp"])
+                                      "worldlm-attn-z2", "worldlm-attn-border-dp", "worldlm-partners"])
 def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, strategy):
     """The schedule: two region rounds (the second from the first's anchor, with the optimizer state
     carried over), then a world round among the regions' leaders that every member adopts: by its
     own evidence (worldlm's default: it adds the fraction of the world's change that its tune slice
     supports) or whole. With border DP, each leader sends its region's clipped and noised backbone
-    change (rounds.border_release)."""
+    change (rounds.border_release). ``partners``: the residual exchange over the other regions only
+    (each region's K moves residual_beta towards the other's)."""
     dp = PrivacyConfig(border_clip=0.05, border_noise=0.5) if strategy.endswith("-border-dp") else PrivacyConfig()
     mix = "none" if strategy.endswith("-mix-none") else "evidence"
     strategy = strategy.removesuffix("-border-dp").removesuffix("-mix-none")
     extra = dict(mix_z=2.0) if strategy.endswith("-z2") else {}
     strategy = strategy.removesuffix("-z2")
+    if strategy.endswith("-partners"):  # the leaders' residual attention over the other regions only
+        extra["residual_attention"] = "partners"
+    strategy = strategy.removesuffix("-partners")
     if strategy.endswith("-attn"):  # world attention: each region moves towards the other regions' models
         extra["world_target"] = "attention"
     strategy = strategy.removesuffix("-attn")
@@ -452,7 +456,14 @@ def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, st
         # (the regions' agreed models; members hold personal mixes of them)
         eu, na = result.models["eu"], result.models["na"]
         assert max_abs_diff(rule.split.take_backbone(eu), rule.split.take_backbone(na)) < 1e-6
-        assert max_abs_diff(rule.split.take_key(eu), rule.split.take_key(na)) > 1e-5
+        if rule.config.residual_attention == "partners":  # each the other's only partner: K moves beta towards it
+            for r, g in (("eu", "na"), ("na", "eu")):
+                k_r, k_g = rule.split.take_key(anchors[r]), rule.split.take_key(anchors[g])
+                want = [a + rule.config.residual_beta * (o - a) for a, o in zip(k_r, k_g)]
+                assert max_abs_diff(rule.split.take_key(result.models[r]), want) < 1e-5
+                assert max_abs_diff(k_r, k_g) > 1e-5  # (they differed before)
+        else:
+            assert max_abs_diff(rule.split.take_key(eu), rule.split.take_key(na)) > 1e-5
 
 
 def test_fedavg_round_under_border_dp_equals_the_pure_function(corpus):
