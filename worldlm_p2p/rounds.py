@@ -181,6 +181,14 @@ class RoundRule:
         return self.residual_exchange and self.config.world_target == "attention"
 
     @property
+    def residual_step_evidence(self) -> bool:
+        """True when a region's leader scales its K's residual step by its own tune slice
+        (:func:`leader_residual_step`): the ``partners`` form of the residual exchange with
+        evidence mixing, whose step towards other regions can be large."""
+        return (self.residual_exchange and not self.world_attention and self.evidence
+                and self.config.residual_attention == "partners")
+
+    @property
     def usage_rows(self) -> bool:
         """True when the attentive key layers are weighted per row by the members' token usage
         (``usage_rows``; :func:`worldlm_p2p.attention.row_priors`)."""
@@ -592,21 +600,49 @@ def residual_update(rule: RoundRule, region_params: Sequence[torch.Tensor], res:
     return rule.split.merge(rule.split.take_backbone(region_params), new)
 
 
+#: the fractions of its residual step a leader tries on its tune slice (:func:`leader_residual_step`)
+RESIDUAL_STEP_GRID = (1 / 4, 1 / 2, 1.0)
+
+
+def leader_residual_step(rule: RoundRule, moved: Sequence[torch.Tensor], region_params: Sequence[torch.Tensor],
+                         loss_of: LossOf | None) -> tuple[list[torch.Tensor], mixing.MixChoice | None]:
+    """The leader's evidence on its region's residual step (:attr:`RoundRule.residual_step_evidence`):
+    ``moved`` is the region's model after the world round with the whole step of its key layers
+    (:func:`residual_update`), ``region_params`` the region's model before the world round. The
+    model returned keeps ``moved``'s backbone and takes ``K_R + s (K_moved - K_R)``, with ``s`` in
+    ``[0, 1]`` the fraction of the step that minimises the leader's tune-slice loss
+    (:func:`worldlm_p2p.mixing.line_search` over :data:`RESIDUAL_STEP_GRID`; ``s = 0``: the region
+    keeps its K). The whole region's agreed model takes this change, and a member's defence against a
+    malicious leader tests it whole (:func:`world_change_refuted`): a step towards unrelated
+    regions' key layers that the leader's own text refutes is not taken. Without a slice
+    (``loss_of`` None) or without the property: ``moved`` and no choice."""
+    if loss_of is None or not rule.residual_step_evidence:
+        return list(moved), None
+    base = rule.split.merge(rule.split.take_backbone(moved), rule.split.take_key(region_params))
+    base = [b.to(m.dtype) for b, m in zip(base, moved)]
+    choice = mixing.line_search(lambda s: loss_of(mixing.interpolate(base, moved, s)), grid=RESIDUAL_STEP_GRID)
+    return mixing.interpolate(base, moved, choice.lam), choice
+
+
 @dataclass(frozen=True, slots=True)
 class WorldRoundResult:
     models: dict[str, list[torch.Tensor]]  # region -> its next model
     world: list[torch.Tensor]  # the leaders' token-weighted mean (the reference of border deltas)
     weights: dict[str, dict[str, list[float]]]  # region -> {G: per-layer attention}, worldlm only
     fetched: dict[str, list[str]]  # region -> the regions whose residual it fetched
+    #: region -> the fraction of its residual step its leader took (:func:`leader_residual_step`)
+    steps: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def world_round(rule: RoundRule, regions: Mapping[str, Sequence[torch.Tensor]],
-                tokens: Mapping[str, float], *, sent: Mapping[str, Sequence[torch.Tensor]] | None = None
-                ) -> WorldRoundResult:
+                tokens: Mapping[str, float], *, sent: Mapping[str, Sequence[torch.Tensor]] | None = None,
+                leader_loss: Mapping[str, LossOf | None] | None = None) -> WorldRoundResult:
     """The central reference of a world round among the leaders of ``regions``. ``sent``: what a
     region's leader put into the leaders' all-reduce when it differs from its model (border DP,
     :func:`border_release`); each region keeps its own key layers and residual either way, and what
-    other regions fetch of it (its served residual and sketch) is computed from what it sent."""
+    other regions fetch of it (its served residual and sketch) is computed from what it sent.
+    ``leader_loss``: each region's leader's tune-slice loss, for :func:`leader_residual_step`
+    (it leaves trial parameters in the leader's model: the caller restores it)."""
     names = sorted(regions)
     sent = sent or {}
     payloads = [world_payload(rule, sent.get(r, regions[r])) for r in names]
@@ -619,12 +655,16 @@ def world_round(rule: RoundRule, regions: Mapping[str, Sequence[torch.Tensor]],
     res = {r: region_residual(rule, regions[r], ks[r]) for r in names}
     served = {r: region_residual(rule, sent.get(r, regions[r]), ks[r]) for r in names}
     emb = {r: embed(rule, served[r]) for r in names}
+    steps = {}
     for r in names:
         w, need = residual_fetch_list(rule, emb, r)
         models[r] = residual_update(rule, models[r], res[r], {g: served[g] for g in need}, w)
+        models[r], choice = leader_residual_step(rule, models[r], regions[r], (leader_loss or {}).get(r))
+        if choice is not None:
+            steps[r] = choice.lam
         weights_out[r] = {g: [round(float(x), 6) for x in a] for g, a in w.items()}
         fetched_out[r] = need
-    return WorldRoundResult(models=models, world=averaged, weights=weights_out, fetched=fetched_out)
+    return WorldRoundResult(models=models, world=averaged, weights=weights_out, fetched=fetched_out, steps=steps)
 
 
 # A world change a member's evidence refutes (see :func:`world_change_refuted`)

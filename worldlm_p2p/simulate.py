@@ -316,7 +316,14 @@ class Simulator:
                                               noise_multiplier=pv.border_noise, generator=self._noise(r, index))
                 self.border[r].record(pv.border_noise)
                 released[r] = dict(norm=rec.norm, clipped_norm=rec.clipped_norm, noise_std=rec.noise_std)
-        result = world_round(rule, {r: anchors[r] for r in self.regions}, tokens, sent=sent)
+        leader_loss, held = None, {}
+        if rule.residual_step_evidence:  # each leader scales its K's residual step by its tune slice
+            leaders = {r: self._leader(r) for r in self.regions}
+            leader_loss = {r: self._loss_of(p) for r, p in leaders.items()}
+            held = {r: get_flat_params(p.model) for r, p in leaders.items()}
+        result = world_round(rule, {r: anchors[r] for r in self.regions}, tokens, sent=sent, leader_loss=leader_loss)
+        for r, params in held.items():  # (the search leaves trial parameters in the leader's model)
+            set_params(self._leader(r).model, params)
         self.world_reference = [t.clone() for t in result.world]
         model_bytes = _nbytes(anchors[self.regions[0]])
         key_bytes = _nbytes(rule.split.take_key(anchors[self.regions[0]])) if rule.split.key else 0
@@ -349,6 +356,7 @@ class Simulator:
                                         **mix_parts_record(rule, choice)))
                 p.tokens_since_world = 0
         self.world_rounds.append(dict(round=index, weights=result.weights, fetched=result.fetched,
+                                      **(dict(steps=result.steps) if result.steps else {}),
                                       **(dict(released=released) if released else {})))
 
     def _world_round_due(self, r: int) -> bool:

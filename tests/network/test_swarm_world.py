@@ -278,10 +278,19 @@ def test_regions_of_one_peer_take_part_in_world_rounds(procs, tmp_path, world_co
     assert all(t["regions"] == ["eu", "na"] for t in lead.values())
     if residual_attention == "partners":  # each fetched the other's residual
         assert lead["eu-a"]["fetched"] == ["na"] and lead["na-a"]["fetched"] == ["eu"], {k: t["fetched"] for k, t in lead.items()}
+    trainers = {lab: tune_trainer(tmp_path, proc.args, rule) for lab, proc in peers.items()}
+    loss_of = {lab: tr.tune_losses if rule.windowed else tr.tune_loss for lab, tr in trainers.items()}
+    # (partners: each leader scales its K's step by its own tune slice, rebuilt here from its data file)
     ref = world_round(rule, {"eu": lead["eu-a"]["snapshot"], "na": lead["na-a"]["snapshot"]},
-                      {"eu": lead["eu-a"]["tokens"], "na": lead["na-a"]["tokens"]})
+                      {"eu": lead["eu-a"]["tokens"], "na": lead["na-a"]["tokens"]},
+                      leader_loss={"eu": loss_of["eu-a"], "na": loss_of["na-a"]})
     assert max_abs_diff(lead["eu-a"]["model"], ref.models["eu"]) < 1e-4
     assert max_abs_diff(lead["na-a"]["model"], ref.models["na"]) < 1e-4
+    if residual_attention == "partners":
+        assert {r: lead[lab]["residual_step"] for r, lab in (("eu", "eu-a"), ("na", "na-a"))} == \
+            pytest.approx(ref.steps, abs=1e-4)
+    else:
+        assert ref.steps == {} and all("residual_step" not in t for t in lead.values())
     if world_codec == "fp16":  # the leaders' mean, as it travelled: every value an fp16 number
         backbone = rule.split.take_backbone(lead["eu-a"]["model"])
         assert all(torch.equal(t.float(), t.half().float()) for t in backbone)
@@ -289,9 +298,7 @@ def test_regions_of_one_peer_take_part_in_world_rounds(procs, tmp_path, world_co
         t = world_traces(tmp_path, lab, leader=False)[w]
         change = hand_down(rule, lead[lab]["model"], lead[lab]["snapshot"])
         assert max_abs_diff(t["delta"], change) == 0.0, lab  # its own leadership's change, as handed down
-        trainer = tune_trainer(tmp_path, proc.args, rule)
-        model, choice = member_world_mix(rule, own=t["before"], change=t["delta"],
-                                         loss_of=trainer.tune_losses if rule.windowed else trainer.tune_loss)
+        model, choice = member_world_mix(rule, own=t["before"], change=t["delta"], loss_of=loss_of[lab])
         assert choice.lam == pytest.approx(t["mix_lam"], abs=1e-5) and max_abs_diff(t["after"], model) < 1e-5, lab
     for p in peers.values():
         p.send_signal(signal.SIGTERM)

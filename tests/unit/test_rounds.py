@@ -295,6 +295,47 @@ def test_world_round_worldlm_partners_hand_computed():
     _close(SPLIT.take_key(alone.models["eu"]), SPLIT.take_key(eu))
 
 
+def test_leader_residual_step_takes_what_its_tune_slice_supports_hand_computed():
+    # partners with beta 0.5: each region's K would move to K_world (the test above): for eu the step
+    # d = K_world - K_eu = k_proj [[-2, 1], [0, 0]], v_proj [1, 0]. eu's leader's slice loss is
+    # ||K - (K_eu + 0.3 d)||^2, a parabola in the fraction s of the step taken: the line search tries
+    # s = 0 (0.09 |d|^2), 1/4 (0.0025 |d|^2), 1/2 (0.04 |d|^2: bracketed) and the parabola's vertex,
+    # s = 0.3 exactly: K_eu + 0.3 d = k_proj [[3.4, 0.3], [0, 0]], v_proj [1.3, 3]. na's leader has no
+    # slice (None): the whole step. Backbones: the world's mean either way.
+    eu = [T([1.0, 2.0, 3.0]), T([[4.0, 0.0], [0.0, 0.0]]), T([1.0, 3.0]), torch.zeros(2, 3)]
+    na = [T([3.0, 2.0, 1.0]), T([[0.0, 2.0], [0.0, 0.0]]), T([3.0, 3.0]), torch.ones(2, 3)]
+    rule = _exact(robust="mean", strategy="worldlm", residual=True, residual_dim=16, residual_tau=0.1,
+                  residual_beta=0.5, residual_attention="partners")
+    assert rule.residual_step_evidence
+    target = [T([[3.4, 0.3], [0.0, 0.0]]), T([1.3, 3.0])]
+    calls = []
+
+    def eu_loss(params):
+        calls.append(1)
+        return float(sum(((k - t) ** 2).sum() for k, t in zip(SPLIT.take_key(params), target)))
+
+    res = world_round(rule, {"eu": eu, "na": na}, {"eu": 10.0, "na": 10.0}, leader_loss={"eu": eu_loss, "na": None})
+    assert res.steps["eu"] == pytest.approx(0.3, abs=1e-6) and len(calls) == 4  # 0, 1/4, 1/2 and the vertex
+    _close(SPLIT.take_key(res.models["eu"]), target, atol=1e-6)
+    _close(SPLIT.take_key(res.models["na"]), [T([[2.0, 1.0], [0.0, 0.0]]), T([2.0, 3.0])], atol=1e-6)
+    for r in ("eu", "na"):
+        _close(SPLIT.take_backbone(res.models[r]), [T([2.0, 2.0, 2.0]), torch.full((2, 3), 0.5)])
+    # a leader whose slice refutes any step: the region keeps its K exactly
+    res = world_round(rule, {"eu": eu, "na": na}, {"eu": 10.0, "na": 10.0},
+                      leader_loss={"eu": lambda p: float(sum(((k - e) ** 2).sum() for k, e in
+                                                             zip(SPLIT.take_key(p), SPLIT.take_key(eu))))})
+    assert res.steps == {"eu": 0.0}
+    assert all(torch.equal(a, b) for a, b in zip(SPLIT.take_key(res.models["eu"]), SPLIT.take_key(eu)))
+    # the paper's form ("world") and a rule without evidence mixing take no evidence on the step
+    for off in (dict(residual_attention="world"), dict(residual_attention="partners", mix="none")):
+        r_off = _exact(robust="mean", strategy="worldlm", residual=True, residual_dim=16, residual_tau=0.1,
+                       residual_beta=0.5, **off)
+        assert not r_off.residual_step_evidence
+        plain = world_round(r_off, {"eu": eu, "na": na}, {"eu": 10.0, "na": 10.0})
+        got = world_round(r_off, {"eu": eu, "na": na}, {"eu": 10.0, "na": 10.0}, leader_loss={"eu": eu_loss})
+        assert got.steps == {} and all(torch.equal(a, b) for a, b in zip(got.models["eu"], plain.models["eu"]))
+
+
 def test_world_round_worldlm_residual_matches_the_formula():
     regions, tokens = _regions(seed=6)
     names = sorted(regions)

@@ -414,7 +414,15 @@ def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, st
             assert results["regions"][r]["epsilon"] == pytest.approx(acc.epsilon())
     else:
         assert all(v["epsilon"] is None for v in results["regions"].values())
-    result = world_round(rule, anchors, tokens, sent=sent)
+    leader_loss, held = None, {}
+    if rule.residual_step_evidence:  # partners: each leader (the smallest label) scales K's step by its slice
+        leaders = {r: min(members, key=lambda p: p.label) for r, members in peers.items()}
+        leader_loss = {r: p.loss_of for r, p in leaders.items()}
+        held = {r: get_flat_params(p.model) for r, p in leaders.items()}
+    result = world_round(rule, anchors, tokens, sent=sent, leader_loss=leader_loss)
+    for r, params in held.items():
+        set_params(leaders[r].model, params)
+    assert sim.world_rounds[0].get("steps", {}) == result.steps
     lams = []
     for r, members in peers.items():
         # every member rebases onto the world result: its model plus (a fraction of) the change of
@@ -456,10 +464,14 @@ def test_two_region_rounds_and_a_world_round_equal_the_pure_functions(corpus, st
         # (the regions' agreed models; members hold personal mixes of them)
         eu, na = result.models["eu"], result.models["na"]
         assert max_abs_diff(rule.split.take_backbone(eu), rule.split.take_backbone(na)) < 1e-6
-        if rule.config.residual_attention == "partners":  # each the other's only partner: K moves beta towards it
+        if rule.config.residual_attention == "partners":  # each the other's only partner: K moves towards it,
+            # beta times the fraction of that step its leader's tune slice supports
+            assert set(result.steps) == {"eu", "na"}
             for r, g in (("eu", "na"), ("na", "eu")):
                 k_r, k_g = rule.split.take_key(anchors[r]), rule.split.take_key(anchors[g])
-                want = [a + rule.config.residual_beta * (o - a) for a, o in zip(k_r, k_g)]
+                s = result.steps[r]
+                assert 0.0 <= s <= 1.0
+                want = [a + s * rule.config.residual_beta * (o - a) for a, o in zip(k_r, k_g)]
                 assert max_abs_diff(rule.split.take_key(result.models[r]), want) < 1e-5
                 assert max_abs_diff(k_r, k_g) > 1e-5  # (they differed before)
         else:

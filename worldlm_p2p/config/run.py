@@ -172,10 +172,10 @@ class AggregationConfig:
       world's mean (such residuals point away from each other by construction, so a region keeps
       nearly all the weight itself); ``"partners"``: over the other regions only, by the cosine of
       their departures from the rest of the world (did two regions learn alike, apart from the
-      others?), the region's K moved ``residual_beta`` towards them, and each member takes of that
-      only what its tune slice supports (:func:`worldlm_p2p.residual.cross_region_weights`). Its
-      larger world changes are sometimes refused by members' defence against a malicious leader
-      (``benchmarks/RESULTS.md``, issue 10, tenth session): an option for the simulator for now.
+      others?), the region's K moved up to ``residual_beta`` towards them, as far as the leader's
+      own tune slice supports (:func:`worldlm_p2p.rounds.leader_residual_step`), and each member
+      takes of that only what its tune slice supports
+      (:func:`worldlm_p2p.residual.cross_region_weights`).
     - ``world_target``: where a ``worldlm`` world round moves a region. ``"mean"``: to the world's
       token-weighted mean backbone, K by residual embeddings (the paper's); ``"attention"``: towards
       the other regions whose residual sketches (of the whole model) are most like its own, backbone

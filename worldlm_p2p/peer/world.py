@@ -10,6 +10,7 @@ region's state (:class:`~worldlm_p2p.peer.state.RegionState`) has one writer.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import secrets
@@ -194,6 +195,8 @@ class WorldRounds:
         done, self._finished = self._finished, None
         if done is None:
             return
+        if self.rule.residual_step_evidence:
+            done = self._residual_step(done)
         c = WorldChange(world_round=done.world_round, delta=done.delta, apply_round=self.apply_round(),
                         source=self.peer_id, reference=done.reference)
         self.state.change = c
@@ -207,6 +210,30 @@ class WorldRounds:
                          seconds=round(done.seconds, 4))
         logger.info("world round %d: with the leaders of %s in %.2fs; the region adopts it at its next round",
                     c.world_round, ", ".join(done.regions), done.seconds)
+
+    def _residual_step(self, done: _Finished) -> _Finished:
+        """Scale the region's residual step of K by this leader's tune slice
+        (:func:`worldlm_p2p.rounds.leader_residual_step`: main thread, the model is this peer's). On
+        a failure to evaluate, the region keeps its K (no step)."""
+        snapshot, moved = done.trace["snapshot"], done.trace["model"]
+        loss_of = self.member.loss_of()
+        if loss_of is None:
+            return done
+        params = self.member.params()
+        try:
+            model, choice = rounds.leader_residual_step(self.rule, moved, snapshot, loss_of)
+            step = choice.lam
+        except Exception as e:  # out of memory, say: no step rather than a stopped peer
+            logger.warning("world round %d: evaluating the residual step failed (%s: %s); the region keeps its "
+                           "key layers", done.world_round, type(e).__name__, e)
+            model = self.rule.split.merge(self.rule.split.take_backbone(moved), self.rule.split.take_key(snapshot))
+            step = 0.0
+        finally:
+            self.member.set(params)
+        logger.info("world round %d: the region takes %.3g of its residual step (this peer's tune slice)",
+                    done.world_round, step)
+        return dataclasses.replace(done, delta=rounds.hand_down(self.rule, model, snapshot),
+                                   trace=dict(done.trace, model=model, moved=moved, residual_step=step))
 
     def apply_round(self) -> int:
         """The region round at which every member adopts a change this leader takes now. The leader
