@@ -127,6 +127,14 @@ class RoundRule:
         return self.separate_personal and self.config.shared_model == "agreed"
 
     @property
+    def filters_world_key(self) -> bool:
+        """True when a member's models take a world change's key layers only as far as its tune slice
+        supports (:func:`member_world_mix`: evidence mixing of world changes, and a shared model
+        that does not adopt them whole), so that an honest change of K that does not suit this
+        member costs it nothing (:func:`world_change_refused`)."""
+        return self.evidence and self.config.mix_world and not self.shared_adopts
+
+    @property
     def personal(self) -> "RoundRule":
         """The rule of a separate personal model's mix: this rule with one model per member
         (``personal_model="inline"``), so that :func:`member_mix` mixes by ``personal_scope``."""
@@ -670,6 +678,9 @@ def world_round(rule: RoundRule, regions: Mapping[str, Sequence[torch.Tensor]],
 # A world change a member's evidence refutes (see :func:`world_change_refuted`)
 WORLD_CHANGE_MAX_UNDO = 0.5
 WORLD_CHANGE_SLACK = 0.02
+#: ... and the bound on a whole change whose key layers a member filters by evidence
+#: (:func:`world_change_refused`): worse than a model that knows nothing
+WORLD_KEY_MAX_UNDO = 1.0
 
 
 def world_change_refuted(*, before: float, after: float, vocab_size: int, max_undo: float = WORLD_CHANGE_MAX_UNDO,
@@ -689,3 +700,24 @@ def world_change_refuted(*, before: float, after: float, vocab_size: int, max_un
     learnt = max(math.log(vocab_size) - before, 0.0)
     return after > before + max_undo * learnt + slack * abs(before)
 
+
+def world_change_refused(rule: RoundRule, *, before: float, after: float, after_backbone: float | None,
+                         vocab_size: int) -> bool:
+    """Whether a member refuses a world round's change of its region's agreed model (and its
+    leader's lease), from its tune slice: ``before``, the slice's loss of the agreed model;
+    ``after``, with the whole change; ``after_backbone``, with the change's backbone part alone.
+
+    When the member's models take the change's key layers only as far as their evidence supports
+    (:attr:`RoundRule.filters_world_key`), a change of K that does not suit this member's text is
+    no sign of malice (the residual exchange moves a region's K towards other regions' on purpose,
+    and measured honest changes of K undid up to 0.8 of what a member's model had learnt, issue 10)
+    and costs it nothing. Then the backbone's part, which the models take whole, is held to
+    :func:`world_change_refuted`'s bound (honest changes measured at most 0.34), and the whole change
+    only to :data:`WORLD_KEY_MAX_UNDO` (refused when it makes the model worse than one that knows
+    nothing: random tensors, a scaled or sign-flipped model). Otherwise (or without
+    ``after_backbone``) the whole change is held to the bound."""
+    whole = world_change_refuted(before=before, after=after, vocab_size=vocab_size)
+    if not rule.filters_world_key or after_backbone is None:
+        return whole
+    return (world_change_refuted(before=before, after=after_backbone, vocab_size=vocab_size)
+            or world_change_refuted(before=before, after=after, vocab_size=vocab_size, max_undo=WORLD_KEY_MAX_UNDO))

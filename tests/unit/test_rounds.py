@@ -674,6 +674,38 @@ def test_a_world_change_is_refuted_when_it_undoes_half_of_what_the_region_learnt
     assert world_change_refuted(before=6.0, after=6.13, vocab_size=259)
 
 
+def test_a_world_change_whose_key_layers_members_filter_is_held_to_knowing_nothing_its_backbone_to_half():
+    """Hand values as above (vocab 259, loss 2.5): the backbone's bound is 4.0784 (half of what was
+    learnt undone), the whole change's 2.5 + 3.0568 + 0.05 = 5.6068 (worse than knowing nothing),
+    when the member's models take a world change's K by evidence (the defaults); otherwise the whole
+    change is held to 4.0784."""
+    import math
+
+    from worldlm_p2p.rounds import world_change_refused
+
+    half = 2.5 + 0.5 * (math.log(259) - 2.5) + 0.05
+    nothing = 2.5 + 1.0 * (math.log(259) - 2.5) + 0.05
+    assert abs(half - 4.0784) < 1e-4 and abs(nothing - 5.6068) < 1e-4
+    rule = _exact()  # the defaults: evidence mixing of world changes, the shared model filters K
+    assert rule.filters_world_key
+
+    def refused(r, after, backbone):
+        return world_change_refused(r, before=2.5, after=after, after_backbone=backbone, vocab_size=259)
+
+    assert not refused(rule, 5.0, 3.0)  # K that does not suit this member (undoes 0.82): taken
+    assert not refused(rule, nothing - 1e-6, half - 1e-6)
+    assert refused(rule, nothing + 1e-6, 3.0)  # worse than knowing nothing
+    assert refused(rule, 3.0, half + 1e-6)  # the backbone's part undoes more than half
+    assert refused(rule, 295.0, 295.0) and refused(rule, float("nan"), 3.0) and refused(rule, 3.0, float("inf"))
+    assert refused(rule, 5.0, None)  # the backbone's part not evaluated: the whole change, to half
+    assert not world_change_refused(rule, before=float("nan"), after=9.0, after_backbone=9.0, vocab_size=259)
+    # models that take K whole (the shared model adopting world changes, or no evidence mixing):
+    # the whole change to half, the backbone's part aside
+    for other in (RoundRule.of(SPLIT, shared_model="agreed"), _exact(mix="none"), _exact(mix_world=False)):
+        assert not other.filters_world_key
+        assert refused(other, 5.0, 3.0) and not refused(other, half - 1e-6, 3.0)
+
+
 def test_stale_apply_adds_the_progress_made_while_the_round_was_in_flight():
     # hand-computed: the round turned the snapshot [1, 2] into [3, 3]; meanwhile training went on
     # from the snapshot to [1.5, 1]: the member ends at [3.5, 2]

@@ -309,26 +309,34 @@ class WorldRounds:
 
     def _refutes(self, change: WorldChange, params: list[torch.Tensor]) -> bool:
         """Test the change on this peer's tune slice, applied to the region's agreed model (which
-        would take it whole): refuse it, and its leader's lease, if the evidence refutes it
-        (:func:`worldlm_p2p.rounds.world_change_refuted`). The model is left as ``params``."""
+        would take it whole), and its backbone part alone: refuse it, and its leader's lease, if the
+        evidence refutes it (:func:`worldlm_p2p.rounds.world_change_refused`). The model is left as
+        ``params``."""
         trainer = self.member.trainer
         if trainer.data.tune.numel() < 2 or self.state.anchor is None:
             return False  # no evidence: the change is taken (as the whole design does without a slice)
+        after_backbone = None
         try:
             before = trainer.tune_loss(self.state.anchor)
             after = trainer.tune_loss([a + d.to(a.dtype) for a, d in zip(self.state.anchor, change.delta)])
+            if self.rule.filters_world_key:
+                backbone_step, _ = self.rule.part_steps(change.delta)
+                after_backbone = trainer.tune_loss([a + d.to(a.dtype) for a, d in zip(self.state.anchor, backbone_step)])
         except Exception as e:  # out of memory, a shape the model does not have: refuse, do not stop
-            before, after = float("nan"), float("inf")
+            before, after, after_backbone = float("nan"), float("inf"), None
             logger.debug("evaluating world round %d: %s: %s", change.world_round, type(e).__name__, e)
         finally:
             self.member.set(params)
         vocab = int(self.member.model.config.vocab_size)
-        if not rounds.world_change_refuted(before=before, after=after, vocab_size=vocab):
+        if not rounds.world_change_refused(self.rule, before=before, after=after, after_backbone=after_backbone,
+                                           vocab_size=vocab):
             return False
         self._refuted.add((change.source, change.world_round))
         logger.warning("refused world round %d from %s: on this peer's tune slice it takes the region's model from "
-                       "loss %.4f to %.4f (a model that knows nothing: %.4f); no longer counting its lease",
-                       change.world_round, change.source, before, after, math.log(vocab))
+                       "loss %.4f to %.4f%s (a model that knows nothing: %.4f); no longer counting its lease",
+                       change.world_round, change.source, before, after,
+                       f", its backbone part alone to {after_backbone:.4f}" if after_backbone is not None else "",
+                       math.log(vocab))
         self.events.emit("world_refused", world_round=change.world_round, source=change.source,
                          before=before, after=after)
         if change.source != self.peer_id:
