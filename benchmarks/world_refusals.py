@@ -60,9 +60,15 @@ def main(argv: list[str]) -> int:
     def worst(xs):
         return max(((a - b) / max(math.log(VOCAB) - b, 1e-9) for b, a, _ in xs), default=float("nan"))
 
+    def at_worst(xs):
+        if not xs:
+            return ""
+        i = max(range(len(xs)), key=lambda k: (xs[k][1] - xs[k][0]) / max(math.log(VOCAB) - xs[k][0], 1e-9))
+        return f" (test {i + 1} of {len(xs)}: loss {xs[i][0]:.3f} -> {xs[i][1]:.3f})"
+
     print(f"world changes tested {len(tested)}, would be refused {sum(r for _, _, r in tested)} "
           f"(whole change held to half: {sum(r for _, _, r in whole)}), largest share of the learnt loss undone "
-          f"{worst(tested):.3f}, by the backbone part alone {worst(backbone):.3f}")
+          f"{worst(tested):.3f}{at_worst(tested)}, by the backbone part alone {worst(backbone):.3f}{at_worst(backbone)}")
     return 0
 
 

@@ -84,10 +84,6 @@ def main(argv: list[str] | None = None) -> None:
                             manifest.fingerprint(), manifest.model.preset, manifest.aggregation.strategy)
                 logger.info("the manifest is signed by run key %s; peers may pin it with --run-key '%s'",
                             records.run_key_id(node.run_key_text), node.run_key_text)
-                if manifest.aggregation.residual_attention == "partners":
-                    logger.warning("aggregation.residual_attention = \"partners\" is a simulator option for now: members' "
-                                   "defence against a malicious leader sometimes refuses its larger world changes and "
-                                   "then drops the honest leader's lease (benchmarks/RESULTS.md, issue 10)")
             else:
                 logger.info("no --run-config: serving the DHT only")
             if node.relay is not None:
