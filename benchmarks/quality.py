@@ -67,8 +67,11 @@ ABLATIONS = {
     "K-mean": ["--attention", "mean"],
     "usage-rows": ["--usage-rows"],  # K's rows weighted by the members' token counts
     "no-residual": ["--no-residual"],
-    # the leaders' attention over the other regions, by how alike they departed from the rest
+    # the leaders' attention over the other regions, by how alike they departed from the rest (the
+    # default since 2026-12-06; before, "world")
     "residual-partners": ["--residual-attention", "partners"],
+    # the paper's: over every region and the region itself, residuals from the world's mean
+    "residual-world": ["--residual-attention", "world"],
     "tune-spread": ["--tune-pieces", "8"],
     "tune-8k": ["--tune-tokens", "8192"],
     "world-full": ["--mix-world-max", "1"],

@@ -170,7 +170,7 @@ class AggregationConfig:
     - ``residual_attention``: the leaders' attention over key-layer residuals. ``"world"``
       (WorldLM's): over every region and the region itself, by the cosine of the residuals from the
       world's mean (such residuals point away from each other by construction, so a region keeps
-      nearly all the weight itself); ``"partners"``: over the other regions only, by the cosine of
+      nearly all the weight itself); ``"partners"`` (the default): over the other regions only, by the cosine of
       their departures from the rest of the world (did two regions learn alike, apart from the
       others?), the region's K moved up to ``residual_beta`` towards them, as far as the leader's
       own tune slice supports (:func:`worldlm_p2p.rounds.leader_residual_step`), and each member
@@ -276,7 +276,7 @@ class AggregationConfig:
     residual_dim: int = 256
     residual_tau: float = 0.1
     residual_beta: float = 0.5
-    residual_attention: ResidualAttention = "world"
+    residual_attention: ResidualAttention = "partners"
     world_target: WorldTarget = "mean"
     mix: MixRule = "evidence"
     mix_world: bool = True
