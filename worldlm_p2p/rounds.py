@@ -621,7 +621,7 @@ def leader_residual_step(rule: RoundRule, moved: Sequence[torch.Tensor], region_
     ``[0, 1]`` the fraction of the step that minimises the leader's tune-slice loss
     (:func:`worldlm_p2p.mixing.line_search` over :data:`RESIDUAL_STEP_GRID`; ``s = 0``: the region
     keeps its K). The whole region's agreed model takes this change, and a member's defence against a
-    malicious leader tests it whole (:func:`world_change_refuted`): a step towards unrelated
+    malicious leader tests it (:func:`world_change_refused`): a step towards unrelated
     regions' key layers that the leader's own text refutes is not taken. Without a slice
     (``loss_of`` None) or without the property: ``moved`` and no choice."""
     if loss_of is None or not rule.residual_step_evidence:
@@ -712,7 +712,7 @@ def world_change_refused(rule: RoundRule, *, before: float, after: float, after_
     no sign of malice (the residual exchange moves a region's K towards other regions' on purpose,
     and measured honest changes of K undid up to 0.8 of what a member's model had learnt, issue 10)
     and costs it nothing. Then the backbone's part, which the models take whole, is held to
-    :func:`world_change_refuted`'s bound (honest changes measured at most 0.34), and the whole change
+    :func:`world_change_refuted`'s bound (honest changes measured at most 0.41, on `mixed` in a first world round), and the whole change
     only to :data:`WORLD_KEY_MAX_UNDO` (refused when it makes the model worse than one that knows
     nothing: random tensors, a scaled or sign-flipped model). Otherwise (or without
     ``after_backbone``) the whole change is held to the bound."""

@@ -272,22 +272,31 @@ def test_world_round_worldlm_residual_hand_computed():
     _close(SPLIT.take_key(res.models["na"]), SPLIT.take_key(na))
 
 
+def _two_regions():
+    """Two regions' models (the split's backbone and K) of the partners tests below."""
+    eu = [T([1.0, 2.0, 3.0]), T([[4.0, 0.0], [0.0, 0.0]]), T([1.0, 3.0]), torch.zeros(2, 3)]
+    na = [T([3.0, 2.0, 1.0]), T([[0.0, 2.0], [0.0, 0.0]]), T([3.0, 3.0]), torch.ones(2, 3)]
+    return eu, na
+
+
+def _partners(beta: float) -> RoundRule:
+    return _exact(robust="mean", strategy="worldlm", residual=True, residual_dim=16, residual_tau=0.1,
+                  residual_beta=beta, residual_attention="partners")
+
+
 def test_world_round_worldlm_partners_hand_computed():
     # residual_attention = "partners": with two regions each is the other's only partner (weight 1),
     # so K_eu <- K_eu + beta (K_na - K_eu): with beta = 0.5 and equal tokens both meet at K_world
     # (k_proj [[2, 1], [0, 0]], v_proj [2, 3]; the inputs of the test above); with beta = 0.25 eu
     # goes a quarter of the way: k_proj [[3, 0.5], [0, 0]], v_proj [1.5, 3]
-    eu = [T([1.0, 2.0, 3.0]), T([[4.0, 0.0], [0.0, 0.0]]), T([1.0, 3.0]), torch.zeros(2, 3)]
-    na = [T([3.0, 2.0, 1.0]), T([[0.0, 2.0], [0.0, 0.0]]), T([3.0, 3.0]), torch.ones(2, 3)]
-    rule = _exact(robust="mean", strategy="worldlm", residual=True, residual_dim=16, residual_tau=0.1,
-                  residual_beta=0.5, residual_attention="partners")
+    eu, na = _two_regions()
+    rule = _partners(0.5)
     res = world_round(rule, {"eu": eu, "na": na}, {"eu": 10.0, "na": 10.0})
     for r in ("eu", "na"):
         _close(SPLIT.take_key(res.models[r]), [T([[2.0, 1.0], [0.0, 0.0]]), T([2.0, 3.0])], atol=1e-6)
         _close(SPLIT.take_backbone(res.models[r]), [T([2.0, 2.0, 2.0]), torch.full((2, 3), 0.5)])
     assert res.weights["eu"] == {"eu": [0.0, 0.0], "na": [1.0, 1.0]} and res.fetched == {"eu": ["na"], "na": ["eu"]}
-    rule = _exact(robust="mean", strategy="worldlm", residual=True, residual_dim=16, residual_tau=0.1,
-                  residual_beta=0.25, residual_attention="partners")
+    rule = _partners(0.25)
     res = world_round(rule, {"eu": eu, "na": na}, {"eu": 10.0, "na": 10.0})
     _close(SPLIT.take_key(res.models["eu"]), [T([[3.0, 0.5], [0.0, 0.0]]), T([1.5, 3.0])], atol=1e-6)
     # a region alone keeps its K (no partner)
@@ -302,10 +311,8 @@ def test_leader_residual_step_takes_what_its_tune_slice_supports_hand_computed()
     # s = 0 (0.09 |d|^2), 1/4 (0.0025 |d|^2), 1/2 (0.04 |d|^2: bracketed) and the parabola's vertex,
     # s = 0.3 exactly: K_eu + 0.3 d = k_proj [[3.4, 0.3], [0, 0]], v_proj [1.3, 3]. na's leader has no
     # slice (None): the whole step. Backbones: the world's mean either way.
-    eu = [T([1.0, 2.0, 3.0]), T([[4.0, 0.0], [0.0, 0.0]]), T([1.0, 3.0]), torch.zeros(2, 3)]
-    na = [T([3.0, 2.0, 1.0]), T([[0.0, 2.0], [0.0, 0.0]]), T([3.0, 3.0]), torch.ones(2, 3)]
-    rule = _exact(robust="mean", strategy="worldlm", residual=True, residual_dim=16, residual_tau=0.1,
-                  residual_beta=0.5, residual_attention="partners")
+    eu, na = _two_regions()
+    rule = _partners(0.5)
     assert rule.residual_step_evidence
     target = [T([[3.4, 0.3], [0.0, 0.0]]), T([1.3, 3.0])]
     calls = []
