@@ -10,12 +10,14 @@
 # phase's tail does not leave a core idle. The last command builds the tables.
 #
 #   bash benchmarks/quality-defaults.sh          # about 3.5-4 hours on 2 cores
-#   WORKDIR=/some/dir bash benchmarks/quality-defaults.sh
+#   WORKDIR=/some/dir CORPUS_ROOT=/path/to/corpus bash benchmarks/quality-defaults.sh
+#   (CORPUS_ROOT: where the corpus of benchmarks/corpora/*.toml lies; default ../shared/data/corpus)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 W=${WORKDIR:-benchmarks/out/quality-runs-defaults}
-Q="$PY benchmarks/quality.py --workdir $W --jobs 1"
+ROOT=${CORPUS_ROOT:+--corpus-root $CORPUS_ROOT}
+Q="$PY benchmarks/quality.py --workdir $W --jobs 1 $ROOT"
 ALL=scripts,mixed,related,today,random
 (
   # the long budget: worldlm and local (3 seeds), the ablations on related and random, then baselines
@@ -39,5 +41,5 @@ ALL=scripts,mixed,related,today,random
   $Q --budgets long --baselines fedavg,fedper --ablations "" --out "$W/pB5.json"
 ) &
 wait
-$PY benchmarks/quality.py --workdir "$W" --report-only --baselines centralized,fedavg,hierfavg,fedper \
+$PY benchmarks/quality.py --workdir "$W" $ROOT --report-only --baselines centralized,fedavg,hierfavg,fedper \
    --ablation-corpora $ALL --ablations K-mean,no-residual,residual-world --out benchmarks/out/quality-defaults.json

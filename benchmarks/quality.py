@@ -153,7 +153,10 @@ def union_grouping(corpora: list[str], workdir: Path, root: Path) -> Path:
     lines = [f"root = {json.dumps(str(root.resolve()))}", "", "[regions]"]
     lines += [f'{name} = ["{rel.as_posix()}"]' for name, rel in sorted(subs.items())]
     path = workdir / "_subcorpora.toml"
-    path.write_text("\n".join(lines) + "\n")
+    # atomically: two quality.py processes on one work directory (quality-defaults.sh) both write it
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
     return path
 
 
