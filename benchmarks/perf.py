@@ -15,6 +15,9 @@ swarm per *variant*:
 - ``overlap``: ``aggregation.overlap`` (the round runs on a snapshot while the next H steps train);
 - ``overlap-tokens``: ``overlap`` plus ``aggregation.schedule = "tokens"`` (rounds due by the
   region's tokens; a round in flight is never waited for).
+- ``overlap-ev5``, ``overlap-tokens-ev5``: ``overlap``, ``overlap-tokens`` with
+  ``aggregation.evidence_share = 0.05`` (a member's evidence searches take about 5% of its compute;
+  in between it takes its last weights again).
 
 and reports utilisation, round time, the share of rounds with the whole region, the time the
 training loop stood still for rounds (``seconds_in_rounds``), bytes on the wire per million training
@@ -59,6 +62,10 @@ VARIANTS = {
     "sync": {},
     "overlap": {"overlap": True},
     "overlap-tokens": {"overlap": True, "schedule": "tokens"},
+    # overlap-tokens, the members' evidence searches held to 5% of their compute (reusing their last
+    # weights in between: aggregation.evidence_share)
+    "overlap-tokens-ev5": {"overlap": True, "schedule": "tokens", "evidence_share": 0.05},
+    "overlap-ev5": {"overlap": True, "evidence_share": 0.05},
 }
 FULL_CONFIGS = "tiny:2:10,tiny:2:50,tiny:4:10,tiny:4:50,small:2:10,small:2:50,small:4:50"
 QUICK_CONFIGS = "tiny:2:10"

@@ -93,6 +93,10 @@ ABLATIONS = {
     # DiLoCo's outer optimizer (arXiv 2311.08105: Nesterov, lr 0.7, momentum 0.9) on the region's
     # backbone; with two models per member only the shared model follows it, the personal one by evidence
     "outer-nesterov": ["--outer", "nesterov", "--outer-lr", "0.7"],
+    # the members' evidence searches held to a share of their compute, their last weights reused in
+    # between (aggregation.evidence_share; issue 14: what a peer whose rounds are frequent pays)
+    "evidence-5pct": ["--evidence-share", "0.05"],
+    "evidence-20pct": ["--evidence-share", "0.2"],
 }
 DEFAULT_ABLATIONS = ("mix-none", "K-mean", "no-residual")  # the others on request (--ablations)
 

@@ -40,6 +40,10 @@ import torch
 
 DEFAULT_GRID = (1 / 16, 1 / 4, 1.0)
 
+#: forward passes that training one token costs (a backward pass costs about two forward passes):
+#: the unit in which :class:`EvidenceBudget` weighs the evidence's evaluations against training
+TRAIN_PASSES = 3.0
+
 #: what a loss function returns: the slice's mean loss, or its per-window losses (a 1-D tensor,
 #: whose mean is the loss; a window is one evaluation sequence of the slice)
 Loss = float | torch.Tensor
@@ -83,6 +87,9 @@ class MixChoice:
     evaluated: tuple[tuple[float, float], ...]
     #: with a mix by parts (:func:`mix_parts`): the second part's weight (``lam`` is the first's)
     second_lam: float | None = None
+    #: True when the weights were not searched but reused from an earlier search (``fixed``: an
+    #: :class:`EvidenceBudget` that said no search was due); ``loss`` and ``own_loss`` are then NaN
+    reused: bool = False
 
     @property
     def gain(self) -> float:
@@ -115,8 +122,12 @@ def _vertex(x: Sequence[float], y: Sequence[float]) -> float | None:
 
 
 def line_search(loss_at: Callable[[float], Loss], *, grid: Sequence[float] = DEFAULT_GRID,
-                margin: float = 0.0, own_loss: Loss | None = None, z: float = 0.0) -> MixChoice:
+                margin: float = 0.0, own_loss: Loss | None = None, z: float = 0.0,
+                fixed: float | None = None) -> MixChoice:
     """Choose ``lam`` in ``[0, 1]`` minimising ``loss_at(lam)`` (see the module docstring).
+
+    ``fixed``: no search; ``lam = fixed`` (an earlier search's weight, reused), nothing evaluated,
+    the choice marked ``reused`` with NaN losses.
 
     ``loss_at(0.0)`` must be the member's own model; ``own_loss``, when given, is its value already
     known (it is not evaluated again, unless the significance test needs per-window losses and it
@@ -125,6 +136,8 @@ def line_search(loss_at: Callable[[float], Loss], *, grid: Sequence[float] = DEF
     (:func:`significant`). A non-finite loss counts as infinitely bad, so a candidate that makes the
     model diverge is never taken."""
     grid_pts = check_grid(grid)
+    if fixed is not None:
+        return reused_choice(fixed)
     if margin < 0:
         raise ValueError(f"margin must be >= 0, got {margin}")
     if z < 0:
@@ -167,6 +180,15 @@ def line_search(loss_at: Callable[[float], Loss], *, grid: Sequence[float] = DEF
     return MixChoice(lam=best, loss=best_y, own_loss=own, evaluated=tuple(evaluated))
 
 
+def reused_choice(lam: float, second_lam: float | None = None) -> MixChoice:
+    """The choice of a mix whose weights were reused, not searched (ValueError outside ``[0, 1]``)."""
+    for x in (lam, second_lam):
+        if x is not None and not (0.0 <= float(x) <= 1.0):
+            raise ValueError(f"a reused mixing weight must lie in [0, 1], got {x}")
+    return MixChoice(lam=float(lam), loss=math.nan, own_loss=math.nan, evaluated=(),
+                     second_lam=None if second_lam is None else float(second_lam), reused=True)
+
+
 def interpolate(own: Sequence[torch.Tensor], target: Sequence[torch.Tensor], lam: float) -> list[torch.Tensor]:
     """``own + lam * (target - own)`` per tensor (computed in float64, cast back to own's dtype);
     ``lam = 0`` returns copies of ``own`` exactly."""
@@ -199,37 +221,43 @@ def shift(own: Sequence[torch.Tensor], change: Sequence[torch.Tensor], lam: floa
 
 def mix_toward(own: Sequence[torch.Tensor], target: Sequence[torch.Tensor],
                loss_of: Callable[[list[torch.Tensor]], Loss], *, grid: Sequence[float] = DEFAULT_GRID,
-               margin: float = 0.0, own_loss: Loss | None = None, z: float = 0.0
+               margin: float = 0.0, own_loss: Loss | None = None, z: float = 0.0, fixed: float | None = None
                ) -> tuple[list[torch.Tensor], MixChoice]:
     """The member's next model ``own + lam * (target - own)`` with ``lam`` from :func:`line_search`
-    of ``loss_of`` (the slice loss of a parameter list), and the choice."""
+    of ``loss_of`` (the slice loss of a parameter list), and the choice (``fixed``: that ``lam``,
+    no search)."""
     choice = line_search(lambda lam: loss_of(interpolate(own, target, lam)), grid=grid, margin=margin,
-                         own_loss=own_loss, z=z)
+                         own_loss=own_loss, z=z, fixed=fixed)
     return interpolate(own, target, choice.lam), choice
 
 
 def mix_change(own: Sequence[torch.Tensor], change: Sequence[torch.Tensor],
                loss_of: Callable[[list[torch.Tensor]], Loss], *, grid: Sequence[float] = DEFAULT_GRID,
-               margin: float = 0.0, own_loss: Loss | None = None, z: float = 0.0
+               margin: float = 0.0, own_loss: Loss | None = None, z: float = 0.0, fixed: float | None = None
                ) -> tuple[list[torch.Tensor], MixChoice]:
-    """The member's next model ``own + lam * change`` with ``lam`` from :func:`line_search`."""
+    """The member's next model ``own + lam * change`` with ``lam`` from :func:`line_search`
+    (``fixed``: that ``lam``, no search)."""
     choice = line_search(lambda lam: loss_of(shift(own, change, lam)), grid=grid, margin=margin, own_loss=own_loss,
-                         z=z)
+                         z=z, fixed=fixed)
     return shift(own, change, choice.lam), choice
 
 
 def mix_parts(own: Sequence[torch.Tensor], steps: Sequence[Sequence[torch.Tensor]],
               loss_of: Callable[[list[torch.Tensor]], Loss], *, grids: Sequence[Sequence[float]],
-              margin: float = 0.0, own_loss: Loss | None = None, z: float = 0.0
-              ) -> tuple[list[torch.Tensor], MixChoice]:
+              margin: float = 0.0, own_loss: Loss | None = None, z: float = 0.0,
+              fixed: tuple[float, float] | None = None) -> tuple[list[torch.Tensor], MixChoice]:
     """The member's next model ``own + lam_1 * step_1 + lam_2 * step_2``, the weights chosen one after
     the other by :func:`line_search` (``lam_2`` from the model ``lam_1`` gave), each on its own
     ``grids[i]``; the steps are changes of disjoint parts of the model (say the backbone's and the
     key layers', the rest of each step zero), so a part that does not help is left as it is while
     another is taken. The choice: ``lam`` the first weight, ``second_lam`` the second, ``own_loss``
-    the own model's and ``loss`` the final mix's slice loss, ``evaluated`` both searches' points."""
+    the own model's and ``loss`` the final mix's slice loss, ``evaluated`` both searches' points.
+    ``fixed``: the two weights, reused (no search)."""
     if len(steps) != 2 or len(grids) != 2:
         raise ValueError(f"mix_parts takes two steps and two grids, got {len(steps)} and {len(grids)}")
+    if fixed is not None:
+        choice = reused_choice(*fixed)
+        return shift(shift(own, steps[0], choice.lam), steps[1], choice.second_lam), choice
     first_model, first = mix_change(own, steps[0], loss_of, grid=grids[0], margin=margin, own_loss=own_loss, z=z)
     # the first search's best loss is the second's starting point (a mean: with z > 0 the second
     # search evaluates its own per-window losses again)
@@ -268,3 +296,65 @@ def mix_weights(own: Sequence[torch.Tensor], candidates: Mapping[str, Sequence[t
 def _finite_or_inf(x: float) -> float:
     x = float(x)
     return x if math.isfinite(x) else math.inf
+
+
+class EvidenceBudget:
+    """How much of a member's compute its evidence searches may take (``aggregation.evidence_share``).
+
+    A search evaluates the member's tune slice a few times (:func:`line_search`: 2 to
+    ``len(grid) + 2`` forward passes over it), whatever the member trained since the last one: at a
+    small H, or with a slice large against a round's batches, the evidence costs as much as training
+    (``benchmarks/RESULTS.md``, issue 14). With ``share > 0`` a search is *due* only while the slice
+    tokens evaluated so far (:meth:`charge`) are at most ``share`` times the forward passes of the
+    member's training so far (``TRAIN_PASSES x models x trained tokens``, ``models`` the models it
+    trains per token: 2 with a personal model apart); when none is due the member reuses its last
+    search's weights (``fixed`` in :func:`line_search`), so that over a run the evidence costs about
+    ``share`` of training and the mixing weights are refreshed as often as that allows, a slowly
+    updated mixing weight as in APFL (arXiv 2003.13461). ``share = 0``: every search is due (the
+    default). Deterministic: a function of the tokens trained and the slice tokens evaluated."""
+
+    def __init__(self, *, share: float, models: int = 1) -> None:
+        if not (math.isfinite(share) and share >= 0):
+            raise ValueError(f"evidence share must be a finite number >= 0, got {share}")
+        if models < 1:
+            raise ValueError(f"models must be >= 1, got {models}")
+        self.share, self.models = float(share), int(models)
+        self.spent = 0.0  # slice tokens evaluated
+        self._last: dict[str, MixChoice] = {}  # kind of mix -> its last searched choice
+
+    def allowance(self, trained_tokens: float) -> float:
+        """The slice tokens the evidence may have evaluated after ``trained_tokens`` of training."""
+        return self.share * TRAIN_PASSES * self.models * float(trained_tokens)
+
+    def due(self, trained_tokens: float) -> bool:
+        """Whether a search may run now (always with ``share = 0``)."""
+        return self.share == 0 or self.spent <= self.allowance(trained_tokens)
+
+    def reuse(self, kind: str, trained_tokens: float) -> MixChoice | None:
+        """The last searched choice of this ``kind`` of mix (a member's region, world or personal mix)
+        to take again instead of a search, or None when a search is due now or none was made yet."""
+        last = self._last.get(kind)
+        if last is None or self.due(trained_tokens):
+            return None
+        return last
+
+    def remember(self, kind: str, choice: MixChoice | None) -> None:
+        """Keep ``choice`` as this kind's last search (a choice that evaluated nothing is not one)."""
+        if choice is not None and choice.evaluated and not choice.reused:
+            self._last[kind] = choice
+
+    def charge(self, tokens: float) -> None:
+        """Count one evaluation of ``tokens`` slice tokens."""
+        self.spent += float(tokens)
+
+    def counting(self, loss_of: Callable[[list[torch.Tensor]], Loss] | None, tokens: int
+                 ) -> Callable[[list[torch.Tensor]], Loss] | None:
+        """``loss_of`` that charges ``tokens`` per call (None stays None)."""
+        if loss_of is None:
+            return None
+
+        def counted(params: list[torch.Tensor]) -> Loss:
+            self.charge(tokens)
+            return loss_of(params)
+
+        return counted

@@ -335,7 +335,7 @@ def stale_apply(new: Sequence[torch.Tensor], *, pre: Sequence[torch.Tensor], cur
 
 
 def member_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], agreed: Sequence[torch.Tensor],
-               loss_of: LossOf | None, own_loss: float | None = None
+               loss_of: LossOf | None, own_loss: float | None = None, reuse: mixing.MixChoice | None = None
                ) -> tuple[list[torch.Tensor], mixing.MixChoice | None]:
     """With ``mix="evidence"``: the member's next model after a region round, its own model moved
     towards the region's agreed model as far as its tune-slice loss ``loss_of`` supports
@@ -344,7 +344,9 @@ def member_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], agreed: Sequence
     the default; :func:`worldlm_p2p.mixing.mix_parts`), or the agreed backbone whole and a weight
     for the key layers (``"key"``). A member without a tune slice (``loss_of`` None) has no evidence
     and keeps its own model (with ``"key"``: its own key layers on the agreed backbone).
-    ``own_loss``: the slice loss of ``own`` when already known."""
+    ``own_loss``: the slice loss of ``own`` when already known. ``reuse``: an earlier search's
+    choice whose weights are taken again without a search (:class:`worldlm_p2p.mixing.EvidenceBudget`),
+    the model built exactly as a search that chose them builds it."""
     if not rule.evidence:
         raise ValueError(f"member_mix is the evidence rule; this rule mixes by {rule.config.mix!r}")
     if rule.shared_adopts:  # the shared model is the region's agreed model
@@ -358,12 +360,20 @@ def member_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], agreed: Sequence
     if rule.mixes_by_part:
         change = [a.detach().to(torch.float32) - o.detach().to(torch.float32) for a, o in zip(agreed, own)]
         return mixing.mix_parts(own, rule.part_steps(change), loss_of, grids=(EVIDENCE_GRID, EVIDENCE_GRID),
-                                own_loss=own_loss, z=rule.config.mix_z)
-    return mixing.mix_toward(own, agreed, loss_of, grid=EVIDENCE_GRID, own_loss=own_loss, z=rule.config.mix_z)
+                                own_loss=own_loss, z=rule.config.mix_z, fixed=_fixed_parts(reuse))
+    return mixing.mix_toward(own, agreed, loss_of, grid=EVIDENCE_GRID, own_loss=own_loss, z=rule.config.mix_z,
+                             fixed=None if reuse is None else reuse.lam)
+
+
+def _fixed_parts(reuse: mixing.MixChoice | None) -> tuple[float, float] | None:
+    """A reused choice's two weights for :func:`worldlm_p2p.mixing.mix_parts` (None: search)."""
+    if reuse is None:
+        return None
+    return reuse.lam, reuse.second_lam if reuse.second_lam is not None else 0.0
 
 
 def personal_mix(rule: RoundRule, *, personal: Sequence[torch.Tensor], shared: Sequence[torch.Tensor],
-                 loss_of: LossOf | None, own_loss: float | None = None
+                 loss_of: LossOf | None, own_loss: float | None = None, reuse: mixing.MixChoice | None = None
                  ) -> tuple[list[torch.Tensor], mixing.MixChoice | None]:
     """A member's personal model after a round (``personal_model="separate"``): its ``personal``
     model moved towards its ``shared`` model (the one that takes part in the rounds, after the
@@ -372,10 +382,10 @@ def personal_mix(rule: RoundRule, *, personal: Sequence[torch.Tensor], shared: S
     The shared model is the member's own: trained on the same batches as the personal one, averaged
     with its region (and the world) every round. A member whose shared model does not help it keeps
     its personal model, which is then its model trained alone; without a slice (``loss_of`` None)
-    it always keeps it."""
+    it always keeps it. ``reuse``: as in :func:`member_mix`."""
     if not rule.separate_personal:
         raise ValueError("personal_mix is the rule of a separate personal model (personal_model=\"separate\")")
-    return member_mix(rule.personal, own=personal, agreed=shared, loss_of=loss_of, own_loss=own_loss)
+    return member_mix(rule.personal, own=personal, agreed=shared, loss_of=loss_of, own_loss=own_loss, reuse=reuse)
 
 
 def mix_parts_record(rule: RoundRule, choice: mixing.MixChoice | None) -> dict[str, float]:
@@ -387,7 +397,7 @@ def mix_parts_record(rule: RoundRule, choice: mixing.MixChoice | None) -> dict[s
 
 
 def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Sequence[torch.Tensor],
-                     loss_of: LossOf | None, own_loss: float | None = None
+                     loss_of: LossOf | None, own_loss: float | None = None, reuse: mixing.MixChoice | None = None
                      ) -> tuple[list[torch.Tensor], mixing.MixChoice | None]:
     """A member's model after its region adopts a world round's ``change`` of the region's model
     (the region's agreed model always takes the whole change). With ``mix="evidence"`` and
@@ -396,7 +406,8 @@ def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Se
     search tries at most ``mix_world_max`` of the change (:func:`world_grid`; by default a
     quarter, :data:`WORLD_GRID`); with ``personal_scope="parts"`` that bounds the key layers' part,
     and the backbone's may be taken whole; with ``"key"`` the backbone's part is added whole. A
-    shared model that adopts (:attr:`RoundRule.shared_adopts`) adds the whole change."""
+    shared model that adopts (:attr:`RoundRule.shared_adopts`) adds the whole change. ``reuse``: as
+    in :func:`member_mix`."""
     if rule.shared_adopts:
         return [t + d.to(t.dtype) for t, d in zip(own, change)], ADOPTED
     if rule.evidence and rule.config.mix_world:
@@ -408,9 +419,9 @@ def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Se
         if rule.mixes_by_part:  # the shared backbone up to the whole change, the key layers up to mix_world_max
             return mixing.mix_parts(own, rule.part_steps(change), loss_of,
                                     grids=(EVIDENCE_GRID, world_grid(rule.config.mix_world_max)), own_loss=own_loss,
-                                    z=rule.config.mix_z)
+                                    z=rule.config.mix_z, fixed=_fixed_parts(reuse))
         return mixing.mix_change(own, change, loss_of, grid=world_grid(rule.config.mix_world_max), own_loss=own_loss,
-                                 z=rule.config.mix_z)
+                                 z=rule.config.mix_z, fixed=None if reuse is None else reuse.lam)
     return [t + d.to(t.dtype) for t, d in zip(own, change)], None
 
 
@@ -430,12 +441,14 @@ def region_round_with_anchor(rule: RoundRule, members: Sequence[Sequence[torch.T
                              anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None,
                              loss_of: Sequence[LossOf | None] | None = None,
                              choices: list | None = None, max_weight: float | None = None,
-                             usage: Sequence[torch.Tensor | None] | None = None
+                             usage: Sequence[torch.Tensor | None] | None = None,
+                             reuse: Sequence[mixing.MixChoice | None] | None = None
                              ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor] | None, list[torch.Tensor]]:
     """:func:`region_round` plus the region's new agreed model (see :func:`region_step`). With
     ``mix="evidence"``, ``loss_of[i]`` is member ``i``'s tune-slice loss (None: no slice) and each
     member's :class:`~worldlm_p2p.mixing.MixChoice` is appended to ``choices`` when given.
     ``max_weight``: the cap on a member's weight (:func:`worldlm_p2p.aggregation.max_round_weight`).
+    ``reuse[i]``: member ``i``'s earlier choice to take again instead of a search (:func:`member_mix`).
 
     A group of one member has nothing to average, as a swarm peer alone in its region holds no
     region round (:meth:`worldlm_p2p.peer.core.Peer._region_of_one`): its model is the group's agreed
@@ -452,7 +465,8 @@ def region_round_with_anchor(rule: RoundRule, members: Sequence[Sequence[torch.T
     for i, p in enumerate(members):
         new, agreed, new_m = region_step(rule, averaged, params=p, anchor=anchor, momentum=momentum)
         if rule.evidence:
-            new, choice = member_mix(rule, own=p, agreed=agreed, loss_of=loss_of[i] if loss_of else None)
+            new, choice = member_mix(rule, own=p, agreed=agreed, loss_of=loss_of[i] if loss_of else None,
+                                     reuse=reuse[i] if reuse else None)
             if choices is not None:
                 choices.append(choice)
         out.append(new)

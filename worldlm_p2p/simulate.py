@@ -37,6 +37,7 @@ from worldlm_p2p import attention, compression
 from worldlm_p2p.aggregation import allreduce_traffic, max_round_weight, round_weight
 from worldlm_p2p.config import AggregationConfig, ModelConfig, PrivacyConfig, TokenizerSpec, TrainConfig, _require
 from worldlm_p2p.errors import ConfigError, DataError
+from worldlm_p2p.mixing import EvidenceBudget, MixChoice
 from worldlm_p2p.privacy import BorderAccountant
 from worldlm_p2p.rounds import (RoundRule, border_release, flat_round_with_border_dp, hand_down, member_world_mix,
                                mix_parts_record, payload_codecs, personal_mix, region_payload, region_round_with_anchor,
@@ -104,6 +105,8 @@ class VirtualPeer:
     personal: LocalTrainer | None = None
     # usage_rows: its token counts over its training text (None: it shares none)
     usage: torch.Tensor | None = None
+    # mix="evidence": what its evidence searches may cost, and their last choices (aggregation.evidence_share)
+    budget: EvidenceBudget | None = None
 
     @property
     def held(self) -> LocalTrainer:
@@ -168,7 +171,9 @@ class Simulator:
                 personal = LocalTrainer(model=copy.deepcopy(base), train=t, data=data, device=self.device,
                                         seed=peer_data_seed(t.seed, sub.name)) if separate else None
                 self.peers.append(VirtualPeer(region=region, label=sub.name, data=data, model=model, trainer=trainer,
-                                              personal=personal))
+                                              personal=personal,
+                                              budget=EvidenceBudget(share=agg.evidence_share,
+                                                                    models=2 if separate else 1) if evidence else None))
         self.regions = sorted({p.region for p in self.peers})
         try:
             split = None if kind.pooled else split_parameters(self.names, agg.key_layers)
@@ -210,7 +215,18 @@ class Simulator:
         It leaves the last parameters tried in ``p.model``: the caller sets the model it settles on."""
         if not self.rule.evidence or p.data.tune.numel() < 2:
             return None
-        return p.trainer.tune_losses if self.rule.windowed else p.trainer.tune_loss
+        return p.budget.counting(p.trainer.tune_losses if self.rule.windowed else p.trainer.tune_loss,
+                                 p.data.tune.numel())
+
+    @staticmethod
+    def _reuse(p: VirtualPeer, kind: str) -> MixChoice | None:
+        """``p``'s last ``kind`` choice to take again, when its evidence budget has no search due."""
+        return p.budget.reuse(kind, p.tokens) if p.budget is not None else None
+
+    @staticmethod
+    def _remember(p: VirtualPeer, kind: str, choice: MixChoice | None) -> None:
+        if p.budget is not None:
+            p.budget.remember(kind, choice)
 
     # ------------------------------------------------------------------ groups and leaders
     def _groups(self) -> dict[str, list[VirtualPeer]]:
@@ -239,17 +255,19 @@ class Simulator:
                 new, momenta[name], anchors[name] = region_round_with_anchor(
                     rule, params, weights, anchor=anchors[name], momentum=momenta.get(name),
                     loss_of=[self._loss_of(p) for p in members], choices=choices, usage=[p.usage for p in members],
+                    reuse=[self._reuse(p, "region") for p in members],
                     max_weight=max_round_weight(inner_steps=self.config.train.inner_steps,
                                                 batch_size=self.config.train.batch_size,
                                                 seq_len=self.config.train.seq_len))
                 for p, c in zip(members, choices):
                     # the slice loss of the model it keeps (overlapped: it keeps the model plus what
                     # it trains meanwhile, whose loss is not known)
-                    p.tune_loss = c.loss if c is not None and not overlap else None
+                    p.tune_loss = c.loss if c is not None and not c.reused and not overlap else None
+                    self._remember(p, "region", c)
                     if c is not None or (rule.evidence and len(members) > 1):  # no slice: took nothing
                         p.mixes.append(dict(round=self._round, kind="region", lam=c.lam if c else 0.0,
                                             gain=c.gain if c and math.isfinite(c.gain) else 0.0,
-                                            **mix_parts_record(rule, c)))
+                                            **mix_parts_record(rule, c), **_reused(c)))
             for p, own, tensors in zip(members, params, new):
                 if overlap:  # (the mixing search left trial parameters in the model)
                     self._pending[p.key] = (own, tensors)
@@ -347,13 +365,15 @@ class Simulator:
             anchors[r] = [a + d for a, d in zip(anchors[r], delta)]
             for p in members:
                 model, choice = member_world_mix(rule, own=get_flat_params(p.model), change=delta,
-                                                 loss_of=self._loss_of(p), own_loss=p.tune_loss)
+                                                 loss_of=self._loss_of(p), own_loss=p.tune_loss,
+                                                 reuse=self._reuse(p, "world"))
+                self._remember(p, "world", choice)
                 p.tune_loss = None
                 set_params(p.model, model)
                 if rule.evidence and rule.config.mix_world:
                     p.mixes.append(dict(round=index, kind="world", lam=choice.lam if choice else 0.0,
                                         gain=choice.gain if choice and math.isfinite(choice.gain) else 0.0,
-                                        **mix_parts_record(rule, choice)))
+                                        **mix_parts_record(rule, choice), **_reused(choice)))
                 p.tokens_since_world = 0
         self.world_rounds.append(dict(round=index, weights=result.weights, fetched=result.fetched,
                                       **(dict(steps=result.steps) if result.steps else {}),
@@ -378,14 +398,16 @@ class Simulator:
         for p in self.peers:
             if p.personal is None:
                 continue
-            loss_of = None if p.data.tune.numel() < 2 else (
-                p.personal.tune_losses if self.rule.windowed else p.personal.tune_loss)
+            loss_of = None if p.data.tune.numel() < 2 else p.budget.counting(
+                p.personal.tune_losses if self.rule.windowed else p.personal.tune_loss, p.data.tune.numel())
             own = get_flat_params(p.personal.model)
-            new, choice = personal_mix(self.rule, personal=own, shared=get_flat_params(p.model), loss_of=loss_of)
+            new, choice = personal_mix(self.rule, personal=own, shared=get_flat_params(p.model), loss_of=loss_of,
+                                       reuse=self._reuse(p, "personal"))
+            self._remember(p, "personal", choice)
             set_params(p.personal.model, new)
             p.mixes.append(dict(round=index, kind="personal", lam=choice.lam if choice else 0.0,
                                 gain=choice.gain if choice and math.isfinite(choice.gain) else 0.0,
-                                **mix_parts_record(self.rule.personal, choice)))
+                                **mix_parts_record(self.rule.personal, choice), **_reused(choice)))
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, round_index: int) -> dict[str, Any]:
@@ -490,6 +512,11 @@ class Simulator:
             history=self.history, world_rounds=self.world_rounds, wall_seconds=time.monotonic() - t0,
             mixes={p.key: p.mixes for p in self.peers if p.mixes},
         )
+
+
+def _reused(choice: MixChoice | None) -> dict[str, bool]:
+    """A mix record's mark when its weights were reused, not searched (aggregation.evidence_share)."""
+    return {"reused": True} if choice is not None and choice.reused else {}
 
 
 def _mix_summary(mixes: list[dict[str, Any]]) -> dict[str, Any]:

@@ -215,3 +215,86 @@ def test_mix_parts_takes_each_part_as_far_as_it_helps():
     assert (choice.lam, choice.second_lam) == (0.0, 0.0) and all(torch.equal(a, b) for a, b in zip(out, own))
     with pytest.raises(ValueError, match="two steps"):
         mix_parts(own, steps[:1], wants_first, grids=((1.0,),))
+
+
+# -- the evidence budget (aggregation.evidence_share) ----------------------------------------------
+
+def test_reused_weights_build_the_model_a_search_that_chose_them_builds():
+    own = [torch.tensor([0.0, 2.0]), torch.tensor([1.0])]
+    target = [torch.tensor([4.0, 2.0]), torch.tensor([3.0])]
+    calls = []
+
+    def loss_of(params):  # minimum at lam = 0.25 on the line (params[0][0] = 1)
+        calls.append(1)
+        return float((params[0][0] - 1.0) ** 2)
+
+    searched, choice = mixing.mix_toward(own, target, loss_of, grid=GRID)
+    assert choice.lam == 0.25 and choice.evaluated and not choice.reused
+    n = len(calls)
+    again, reused = mixing.mix_toward(own, target, loss_of, grid=GRID, fixed=choice.lam)
+    assert len(calls) == n  # nothing evaluated
+    assert reused.reused and reused.lam == 0.25 and reused.evaluated == ()
+    assert math.isnan(reused.loss) and math.isnan(reused.own_loss) and math.isnan(reused.gain)
+    assert all(torch.equal(a, b) for a, b in zip(again, searched))
+    # by hand: own + 0.25 (target - own)
+    assert torch.equal(again[0], torch.tensor([1.0, 2.0])) and torch.equal(again[1], torch.tensor([1.5]))
+    # a change, and two parts
+    out, c = mixing.mix_change(own, [torch.tensor([4.0, 0.0]), torch.tensor([2.0])], loss_of, fixed=0.5)
+    assert c.reused and torch.equal(out[0], torch.tensor([2.0, 2.0])) and torch.equal(out[1], torch.tensor([2.0]))
+    steps = [[torch.ones(2), torch.zeros(1)], [torch.zeros(2), torch.ones(1)]]
+    out, c = mixing.mix_parts(own, steps, loss_of, grids=(GRID, GRID), fixed=(1.0, 0.25))
+    assert (c.lam, c.second_lam, c.reused) == (1.0, 0.25, True) and len(calls) == n
+    assert torch.equal(out[0], torch.tensor([1.0, 3.0])) and torch.equal(out[1], torch.tensor([1.25]))
+    # zero weights: the own model, bit for bit
+    out, c = mixing.mix_parts(own, steps, loss_of, grids=(GRID, GRID), fixed=(0.0, 0.0))
+    assert all(torch.equal(a, b) for a, b in zip(out, own))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        mixing.mix_toward(own, target, loss_of, fixed=1.5)
+
+
+def test_evidence_budget_hand_computed():
+    b = mixing.EvidenceBudget(share=0.05, models=2)
+    # allowance = 0.05 x 3 passes x 2 models x tokens
+    assert b.allowance(1000) == pytest.approx(300.0)
+    assert b.due(0)  # nothing spent yet
+    b.charge(600)  # one search: three evaluations of a 200-token slice
+    assert not b.due(1000)  # 600 > 300
+    assert not b.due(1999)  # 600 > 599.7
+    assert b.due(2000)  # 600 <= 600
+    # with share 0 every search is due, whatever was spent
+    free = mixing.EvidenceBudget(share=0.0)
+    free.charge(1e9)
+    assert free.due(0)
+    for bad in (-0.1, math.inf, math.nan):
+        with pytest.raises(ValueError, match="share"):
+            mixing.EvidenceBudget(share=bad)
+    with pytest.raises(ValueError, match="models"):
+        mixing.EvidenceBudget(share=0.1, models=0)
+
+
+def test_evidence_budget_reuses_the_last_search_of_each_kind_until_one_is_due():
+    b = mixing.EvidenceBudget(share=0.1)
+
+    def counted_loss(params):
+        return float((params[0][0] - 1.0) ** 2)
+
+    loss_of = b.counting(counted_loss, 100)
+    assert b.counting(None, 100) is None
+    own, target = [torch.tensor([0.0])], [torch.tensor([4.0])]
+    assert b.reuse("region", trained_tokens=0) is None  # no search yet: search
+    _, first = mixing.mix_toward(own, target, loss_of, grid=GRID)
+    b.remember("region", first)
+    spent = b.spent
+    assert spent == 100 * len(first.evaluated) == 400  # each evaluation (the own model's included) charged one slice
+    # trained little since: not due, the region choice comes back; no choice of another kind yet
+    assert b.reuse("region", trained_tokens=10) is first
+    assert b.reuse("world", trained_tokens=10) is None
+    # a reused choice is not remembered in place of the searched one, nor is a choice without a search
+    b.remember("region", mixing.reused_choice(0.9))
+    b.remember("region", mixing.MixChoice(lam=1.0, loss=math.nan, own_loss=math.nan, evaluated=()))
+    b.remember("region", None)
+    assert b.reuse("region", trained_tokens=10) is first
+    # once training has paid for what was spent (spent <= 0.1 x 3 x tokens) a search is due again
+    enough = math.ceil(spent / 0.3)
+    assert b.reuse("region", trained_tokens=enough - 1) is first
+    assert b.reuse("region", trained_tokens=enough) is None

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from worldlm_p2p import attention, residual
+from worldlm_p2p import attention, mixing, residual
 from worldlm_p2p.aggregation import weighted_mean
 from worldlm_p2p.outer_optim import outer_update
 from worldlm_p2p.rounds import (FETCH_MIN_WEIGHT, RoundRule, region_apply, region_payload, region_round,
@@ -953,3 +953,58 @@ def test_region_round_with_usage_rows_equals_the_central_rule():
     plain, _, _ = region_round_with_anchor(_exact(robust="mean", mix="none"), members, tokens, anchor=anchor,
                                            momentum=None)
     assert not torch.allclose(SPLIT.take_key(agreed)[0], SPLIT.take_key(plain[0])[0])  # the counts mattered
+
+
+def test_reused_choices_give_what_a_search_that_chose_them_gives_without_evaluating() -> None:
+    """``aggregation.evidence_share``: a member with no search due takes its last choice's weights
+    again. The shared model's region and world mixes, the personal mix and a whole region round
+    with ``reuse`` give exactly the model a search that chose those weights gives, and evaluate
+    nothing."""
+    from worldlm_p2p.rounds import member_mix, member_world_mix, personal_mix
+
+    g = torch.Generator().manual_seed(21)
+    personal, shared, agreed = _model(g), _model(g), _model(g)
+    rule = RoundRule.of(SPLIT, robust="mean")  # the shipped default: a separate personal model
+
+    def slice_wants(target):
+        return lambda params: float(sum((p - t).pow(2).sum() for p, t in zip(params, target)))
+
+    def never(params):
+        raise AssertionError("a reused choice evaluated the tune slice")
+
+    halfway = [a + 0.25 * (b - a) for a, b in zip(shared, agreed)]
+    searched, choice = member_mix(rule, own=shared, agreed=agreed, loss_of=slice_wants(halfway))
+    assert choice.evaluated and 0 < choice.lam < 1
+    again, reused = member_mix(rule, own=shared, agreed=agreed, loss_of=never, reuse=choice)
+    assert reused.reused and reused.lam == choice.lam
+    assert all(torch.equal(x, y) for x, y in zip(again, searched))
+    # by hand: the agreed backbone whole, lam of the way to the agreed key layers
+    want = [a if i in SPLIT.backbone else s + choice.lam * (a - s) for i, (s, a) in enumerate(zip(shared, agreed))]
+    _close(again, want)
+
+    change = [torch.full(s, 0.5) for s in SHAPES]
+    searched, choice = member_world_mix(rule, own=shared, change=change, loss_of=slice_wants(agreed))
+    again, reused = member_world_mix(rule, own=shared, change=change, loss_of=never, reuse=choice)
+    assert reused.reused and all(torch.equal(x, y) for x, y in zip(again, searched))
+
+    target = [p + 0.25 * (s - p) if i in SPLIT.backbone else s for i, (p, s) in enumerate(zip(personal, shared))]
+    searched, choice = personal_mix(rule, personal=personal, shared=shared, loss_of=slice_wants(target))
+    assert (choice.lam, choice.second_lam) == (0.25, 1.0)
+    again, reused = personal_mix(rule, personal=personal, shared=shared, loss_of=never, reuse=choice)
+    assert (reused.lam, reused.second_lam, reused.reused) == (0.25, 1.0, True)
+    assert all(torch.equal(x, y) for x, y in zip(again, searched))
+    # a member without a tune slice keeps its own model, reuse or not
+    out, none = personal_mix(rule, personal=personal, shared=shared, loss_of=None, reuse=choice)
+    assert none is None and all(torch.equal(x, y) for x, y in zip(out, personal))
+
+    # a whole region round: member 0 searches, member 1 takes an earlier choice again
+    anchor, members, tokens = _region(2, seed=5)
+    earlier = mixing.reused_choice(0.5)
+    choices: list = []
+    out, _, agreed_model = region_round_with_anchor(rule, members, tokens, anchor=anchor, momentum=None,
+                                                    loss_of=[slice_wants(members[1]), never], choices=choices,
+                                                    reuse=[None, earlier])
+    want0, c0 = member_mix(rule, own=members[0], agreed=agreed_model, loss_of=slice_wants(members[1]))
+    want1, c1 = member_mix(rule, own=members[1], agreed=agreed_model, loss_of=never, reuse=earlier)
+    assert all(torch.equal(x, y) for x, y in zip(out[0], want0)) and all(torch.equal(x, y) for x, y in zip(out[1], want1))
+    assert choices[0].evaluated and not choices[0].reused and choices[1].reused and choices[1].lam == 0.5

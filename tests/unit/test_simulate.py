@@ -607,3 +607,34 @@ def test_a_diverged_model_has_infinite_perplexity_not_a_crash():
 
     assert _perplexity(1.0) == pytest.approx(math.e)
     assert _perplexity(1e4) == math.inf and _finite({"p": _perplexity(1e4)}) == {"p": None}
+
+
+def test_evidence_share_reuses_the_last_choices_when_no_search_is_due(corpus):
+    """``aggregation.evidence_share``: with a share far below what one round's searches cost, every
+    member searches in round 1 (region, world and personal mixes) and takes those choices again in
+    rounds 2 and 3 without evaluating its slice; the models then differ from the default's, whose
+    every round searches."""
+    config = sim_config(corpus, rounds=3, world_every=1, evidence_share=1e-4)
+    sim = Simulator(config)
+    results = sim.run()
+    spent = {p.key: p.budget.spent for p in sim.peers}
+    assert all(v > 0 for v in spent.values())
+    for key, recs in results["mixes"].items():
+        p = next(q for q in sim.peers if q.key == key)
+        # what round 1 cost: one tune slice per evaluation (the leaders' residual step's included)
+        assert spent[key] % p.data.tune.numel() == 0
+        by_kind: dict = {}
+        for m in recs:
+            by_kind.setdefault(m["kind"], []).append(m)
+        assert set(by_kind) == {"region", "world", "personal"}
+        for kind, ms in by_kind.items():
+            assert [m["round"] for m in ms] == [1, 2, 3], (key, kind)
+            assert not ms[0].get("reused") and all(m.get("reused") for m in ms[1:]), (key, kind)
+            for m in ms[1:]:  # the same weights again
+                assert m["lam"] == ms[0]["lam"] and m.get("key_lam") == ms[0].get("key_lam")
+    default = Simulator(sim_config(corpus, rounds=3, world_every=1))
+    default.run()
+    assert all(not m.get("reused") for p in default.peers for m in p.mixes)
+    assert all(p.budget.spent > spent[p.key] for p in default.peers)
+    assert any(max_abs_diff(get_flat_params(a.model), get_flat_params(b.model)) > 0
+               for a, b in zip(sim.peers, default.peers))

@@ -64,6 +64,9 @@ FLAGS = (
     Flag("aggregation", "tune_pieces", "take the tune slice in this many pieces spread over the training text "
                                        "(1: its tail)"),
     Flag("aggregation", "personal_tau", "temperature of --mix cosine"),
+    Flag("aggregation", "evidence_share", "with --mix evidence: the share of a member's compute its evidence "
+                                          "searches may take (0: a search every round; e.g. 0.05: otherwise its "
+                                          "last search's weights again)"),
     Flag("aggregation", "personal_scope", "what a member's evidence mix covers: parts (the backbone and K each "
                                           "by its own weight; default), all (one weight) or key (the backbone "
                                           "adopted whole)"),

@@ -230,6 +230,13 @@ class AggregationConfig:
       Measured: better where a region's members write related languages at the short budget, worse
       at the long one and where a region mixes unrelated ones (``benchmarks/RESULTS.md``, issue 10).
     - ``personal_tau``: the temperature of ``mix = "cosine"``.
+    - ``evidence_share``: with ``mix = "evidence"``, the share of a member's compute its evidence
+      searches may take, in forward passes (0, the default: a search at every round). Above 0 a
+      member searches only while the tune-slice tokens it evaluated so far are at most this share of
+      the forward passes of its training so far, and otherwise takes its last search's weights again
+      (:class:`worldlm_p2p.mixing.EvidenceBudget`). For peers whose rounds come often against what
+      they train between them (a small H, a CPU shared with the round's work): e.g. 0.05. Its cost in
+      perplexity is measured in ``benchmarks/RESULTS.md`` (issue 14).
     - ``outer`` / ``outer_lr`` / ``outer_momentum``: the outer optimizer applied to the backbone at
       region rounds (:mod:`worldlm_p2p.outer_optim`); ``sgd`` with lr 1 is FedAvg.
     - ``robust`` / ``robust_clip``: how a region's all-reduce (and the leaders') combines what its
@@ -286,6 +293,7 @@ class AggregationConfig:
     tune_tokens: int = 2048
     tune_pieces: int = 1
     personal_tau: float = 0.1
+    evidence_share: float = 0.0
     personal_scope: PersonalScope = "parts"
     personal_model: PersonalModel = "separate"
     shared_model: SharedModel = "evidence"
@@ -326,6 +334,8 @@ class AggregationConfig:
         _require(0 < self.tune_fraction < 1, "aggregation.tune_fraction", "must be in (0, 1), e.g. 0.05")
         _require(self.tune_tokens >= 1, "aggregation.tune_tokens", "must be a positive integer")
         _require(self.tune_pieces >= 1, "aggregation.tune_pieces", "must be a positive integer")
+        _require(math.isfinite(self.evidence_share) and 0 <= self.evidence_share <= 10, "aggregation.evidence_share",
+                 "must be in [0, 10] (0: a search every round), e.g. 0.05")
         _require(self.personal_tau > 0 or self.mix != "cosine", "aggregation.personal_tau",
                  "must be > 0 with mix = \"cosine\" (use mix = \"none\" to make members adopt the agreed model)")
         _require(self.personal_tau >= 0, "aggregation.personal_tau", "must be >= 0")

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from worldlm_p2p import attention, rounds
+from worldlm_p2p import attention, mixing, rounds
 from worldlm_p2p.rounds import RoundRule, mix_parts_record
 from worldlm_p2p.train import LocalTrainer, SliceEvaluator, get_flat_params, set_params
 
@@ -28,6 +28,9 @@ class Member:
         self.model, self.trainer, self.rule, self.stats = model, trainer, rule, stats
         self.personal = personal
         self._evaluator: SliceEvaluator | None = None
+        # mix="evidence": what its searches may cost and their last choices (aggregation.evidence_share)
+        self.budget = mixing.EvidenceBudget(share=rule.config.evidence_share,
+                                            models=2 if personal is not None else 1) if rule.evidence else None
         # usage_rows: this peer's token counts over its training text, which weigh its rows of the
         # token-indexed key layers in region rounds (none under DP-SGD: its rows weigh uniformly)
         self.usage: torch.Tensor | None = None
@@ -61,7 +64,8 @@ class Member:
             trainer.tune_losses if self.rule.windowed else trainer.tune_loss)
         own = get_flat_params(trainer.model)
         try:
-            new, choice = rounds.personal_mix(self.rule, personal=own, shared=self.params(), loss_of=loss_of)
+            new, choice = rounds.personal_mix(self.rule, personal=own, shared=self.params(),
+                                              loss_of=self._counted(loss_of), reuse=self.reuse_for("personal"))
         except Exception as e:
             logger.warning("personal mixing failed (%s: %s): keeping this peer's personal model", type(e).__name__, e)
             new, choice = own, None
@@ -80,7 +84,18 @@ class Member:
         leaves the parameters tried in the model; the caller sets the one it settles on."""
         if not self.rule.evidence or self.trainer.data.tune.numel() < 2:
             return None
-        return self.trainer.tune_losses if self.rule.windowed else self.trainer.tune_loss
+        return self._counted(self.trainer.tune_losses if self.rule.windowed else self.trainer.tune_loss)
+
+    def _counted(self, loss_of: Callable | None) -> Callable | None:
+        """``loss_of`` charged to the evidence budget (one tune slice per call)."""
+        if self.budget is None or loss_of is None:
+            return loss_of
+        return self.budget.counting(loss_of, self.trainer.data.tune.numel())
+
+    def reuse_for(self, kind: str) -> mixing.MixChoice | None:
+        """The last ``kind`` choice ("region", "world", "personal") to take again instead of a search,
+        when the evidence budget has none due (``aggregation.evidence_share``); None: search."""
+        return self.budget.reuse(kind, self.stats.tokens) if self.budget is not None else None
 
     def background_loss_of(self) -> Callable | None:
         """:meth:`loss_of` on a copy of the model (made once, here: call it from the training thread),
@@ -90,7 +105,7 @@ class Member:
             return None
         if self._evaluator is None:
             self._evaluator = SliceEvaluator(self.trainer)
-        return self._evaluator.tune_losses if self.rule.windowed else self._evaluator.tune_loss
+        return self._counted(self._evaluator.tune_losses if self.rule.windowed else self._evaluator.tune_loss)
 
     def mix_safely(self, search: Callable, *, own: list[torch.Tensor]):
         """Run a mixing search; if evaluating the tune slice fails (out of memory, say), keep the
@@ -103,11 +118,18 @@ class Member:
             return [t.detach().clone() for t in own], None
 
     def record_mix(self, kind: str, index: int, choice) -> None:
+        if self.budget is not None:
+            self.budget.remember(kind, choice)
         lam = choice.lam if choice is not None else 0.0
         gain = choice.gain if choice is not None and math.isfinite(choice.gain) else 0.0
         parts = mix_parts_record(self.rule.personal if kind == "personal" else self.rule, choice)
-        self.stats.mixes.append(dict(kind=kind, round=int(index), step=self.stats.step, lam=lam, gain=gain, **parts))
+        self.stats.mixes.append(dict(kind=kind, round=int(index), step=self.stats.step, lam=lam, gain=gain, **parts,
+                                     **({"reused": True} if choice is not None and choice.reused else {})))
         what = {"region": "region's agreed model", "world": "world's change", "personal": "shared model"}[kind]
+        if choice is not None and choice.reused:
+            logger.info("%s round %d: took %.3g of the %s%s again (no evidence search due)", kind, index, lam, what,
+                        f" (backbone; key layers {parts['key_lam']:.3g})" if parts else "")
+            return
         if choice is not None and not choice.evaluated:  # adopted without a search
             logger.info("%s round %d: adopted the %s whole", kind, index, what)
             return

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -90,6 +90,9 @@ class _Flight:
     # loss it uses, and what it chose (next model, choice)
     loss_of: Callable | None = None
     mixed: tuple | None = None
+    # the member's last region choice to take again, when its evidence budget had no search due at
+    # the snapshot (aggregation.evidence_share)
+    reuse: Any = None
 
 
 class Strikes:
@@ -164,6 +167,7 @@ class RegionRound:
         self.stats.round_entry_tokens = self.stats.tokens
         flight = self._snapshot()
         flight.loss_of = self.member.background_loss_of() if self.rule.evidence else None
+        flight.reuse = self.member.reuse_for("region") if self.rule.evidence else None
         flight.thread = threading.Thread(target=self._fly, args=(flight,), name=f"region-round-{self.stats.round}",
                                          daemon=True)
         self._flight = flight
@@ -243,7 +247,8 @@ class RegionRound:
                 # the member's evidence search, here on a copy of the model while training goes on
                 # (a failure leaves it to the conclusion, in the training thread)
                 try:
-                    flight.mixed = rounds.member_mix(self.rule, own=a.pre, agreed=a.agreed, loss_of=flight.loss_of)
+                    flight.mixed = rounds.member_mix(self.rule, own=a.pre, agreed=a.agreed, loss_of=flight.loss_of,
+                                                     reuse=flight.reuse)
                 except Exception as e:
                     logger.debug("round %d: background evidence search failed: %s: %s", self.stats.round,
                                  type(e).__name__, e)
@@ -388,7 +393,8 @@ class RegionRound:
         mix, new = None, a.new
         if result.ok and self.rule.evidence:
             new, mix = mixed if mixed is not None else self.member.mix_safely(
-                lambda: rounds.member_mix(self.rule, own=a.pre, agreed=a.agreed, loss_of=self.member.loss_of()),
+                lambda: rounds.member_mix(self.rule, own=a.pre, agreed=a.agreed, loss_of=self.member.loss_of(),
+                                          reuse=self.member.reuse_for("region")),
                 own=a.pre)
             self.member.record_mix("region", s.round, mix)
         minority = minority_group(result.gathered, group_size=result.group_size,

@@ -288,7 +288,8 @@ class WorldRounds:
         if self._refutes(known, params):
             return
         adopted, mix = self.member.mix_safely(lambda: rounds.member_world_mix(
-            self.rule, own=params, change=known.delta, loss_of=self.member.loss_of()), own=params)
+            self.rule, own=params, change=known.delta, loss_of=self.member.loss_of(),
+            reuse=self.member.reuse_for("world")), own=params)
         self.member.set(adopted)
         if self.rule.evidence and self.rule.config.mix_world:
             self.member.record_mix("world", known.world_round, mix)
