@@ -304,14 +304,17 @@ class EvidenceBudget:
     A search evaluates the member's tune slice a few times (:func:`line_search`: 2 to
     ``len(grid) + 2`` forward passes over it), whatever the member trained since the last one: at a
     small H, or with a slice large against a round's batches, the evidence costs as much as training
-    (``benchmarks/RESULTS.md``, issue 14). With ``share > 0`` a search is *due* only while the slice
-    tokens evaluated so far (:meth:`charge`) are at most ``share`` times the forward passes of the
+    (``benchmarks/RESULTS.md``, issue 14). With ``share > 0`` a search of one *kind* (a member's
+    region, world or personal mix; a leader's residual step) is *due* only while the slice tokens
+    that kind evaluated so far (:meth:`charge`) are at most ``share`` times the forward passes of the
     member's training so far (``TRAIN_PASSES x models x trained tokens``, ``models`` the models it
-    trains per token: 2 with a personal model apart); when none is due the member reuses its last
-    search's weights (``fixed`` in :func:`line_search`), so that over a run the evidence costs about
-    ``share`` of training and the mixing weights are refreshed as often as that allows, a slowly
-    updated mixing weight as in APFL (arXiv 2003.13461). ``share = 0``: every search is due (the
-    default). Deterministic: a function of the tokens trained and the slice tokens evaluated."""
+    trains per token: 2 with a personal model apart); when none is due the member reuses that kind's
+    last weights (``fixed`` in :func:`line_search`). Each kind keeps its own account, so that one
+    kind's searches never starve another's (the personal mix, which makes the model a member holds,
+    comes after the region's in a round), and over a run each kind costs about ``share`` of training
+    with its weights refreshed as often as that allows: a slowly updated mixing weight, as in APFL
+    (arXiv 2003.13461). ``share = 0``: every search is due (the default). Deterministic: a function of
+    the tokens trained and the slice tokens evaluated."""
 
     def __init__(self, *, share: float, models: int = 1) -> None:
         if not (math.isfinite(share) and share >= 0):
@@ -319,22 +322,27 @@ class EvidenceBudget:
         if models < 1:
             raise ValueError(f"models must be >= 1, got {models}")
         self.share, self.models = float(share), int(models)
-        self.spent = 0.0  # slice tokens evaluated
-        self._last: dict[str, MixChoice] = {}  # kind of mix -> its last searched choice
+        self.spent: dict[str, float] = {}  # kind -> slice tokens its searches evaluated
+        self._last: dict[str, MixChoice] = {}  # kind -> its last searched choice
+
+    @property
+    def total(self) -> float:
+        """Slice tokens evaluated by every kind together."""
+        return sum(self.spent.values())
 
     def allowance(self, trained_tokens: float) -> float:
-        """The slice tokens the evidence may have evaluated after ``trained_tokens`` of training."""
+        """The slice tokens one kind may have evaluated after ``trained_tokens`` of training."""
         return self.share * TRAIN_PASSES * self.models * float(trained_tokens)
 
-    def due(self, trained_tokens: float) -> bool:
-        """Whether a search may run now (always with ``share = 0``)."""
-        return self.share == 0 or self.spent <= self.allowance(trained_tokens)
+    def due(self, kind: str, trained_tokens: float) -> bool:
+        """Whether a search of ``kind`` may run now (always with ``share = 0``)."""
+        return self.share == 0 or self.spent.get(kind, 0.0) <= self.allowance(trained_tokens)
 
     def reuse(self, kind: str, trained_tokens: float) -> MixChoice | None:
-        """The last searched choice of this ``kind`` of mix (a member's region, world or personal mix)
-        to take again instead of a search, or None when a search is due now or none was made yet."""
+        """The last searched choice of this ``kind`` to take again instead of a search, or None when a
+        search is due now or none was made yet."""
         last = self._last.get(kind)
-        if last is None or self.due(trained_tokens):
+        if last is None or self.due(kind, trained_tokens):
             return None
         return last
 
@@ -343,18 +351,18 @@ class EvidenceBudget:
         if choice is not None and choice.evaluated and not choice.reused:
             self._last[kind] = choice
 
-    def charge(self, tokens: float) -> None:
-        """Count one evaluation of ``tokens`` slice tokens."""
-        self.spent += float(tokens)
+    def charge(self, kind: str, tokens: float) -> None:
+        """Count one evaluation of ``tokens`` slice tokens by a search of ``kind``."""
+        self.spent[kind] = self.spent.get(kind, 0.0) + float(tokens)
 
-    def counting(self, loss_of: Callable[[list[torch.Tensor]], Loss] | None, tokens: int
+    def counting(self, loss_of: Callable[[list[torch.Tensor]], Loss] | None, tokens: int, kind: str
                  ) -> Callable[[list[torch.Tensor]], Loss] | None:
-        """``loss_of`` that charges ``tokens`` per call (None stays None)."""
+        """``loss_of`` that charges ``tokens`` to ``kind`` per call (None stays None)."""
         if loss_of is None:
             return None
 
         def counted(params: list[torch.Tensor]) -> Loss:
-            self.charge(tokens)
+            self.charge(kind, tokens)
             return loss_of(params)
 
         return counted

@@ -210,13 +210,13 @@ class Simulator:
         return peer_dp_config(epsilon=pv.peer_epsilon, noise=pv.peer_noise, clip=pv.peer_clip, delta=pv.peer_delta,
                               steps=steps)
 
-    def _loss_of(self, p: VirtualPeer):
+    def _loss_of(self, p: VirtualPeer, kind: str):
         """The tune-slice loss of a parameter list for peer ``p`` (None: no slice, no evidence).
         It leaves the last parameters tried in ``p.model``: the caller sets the model it settles on."""
         if not self.rule.evidence or p.data.tune.numel() < 2:
             return None
         return p.budget.counting(p.trainer.tune_losses if self.rule.windowed else p.trainer.tune_loss,
-                                 p.data.tune.numel())
+                                 p.data.tune.numel(), kind)
 
     @staticmethod
     def _reuse(p: VirtualPeer, kind: str) -> MixChoice | None:
@@ -254,7 +254,7 @@ class Simulator:
                 choices: list = []
                 new, momenta[name], anchors[name] = region_round_with_anchor(
                     rule, params, weights, anchor=anchors[name], momentum=momenta.get(name),
-                    loss_of=[self._loss_of(p) for p in members], choices=choices, usage=[p.usage for p in members],
+                    loss_of=[self._loss_of(p, "region") for p in members], choices=choices, usage=[p.usage for p in members],
                     reuse=[self._reuse(p, "region") for p in members],
                     max_weight=max_round_weight(inner_steps=self.config.train.inner_steps,
                                                 batch_size=self.config.train.batch_size,
@@ -337,7 +337,7 @@ class Simulator:
         leader_loss, held = None, {}
         if rule.residual_step_evidence:  # each leader scales its K's residual step by its tune slice
             leaders = {r: self._leader(r) for r in self.regions}
-            leader_loss = {r: self._loss_of(p) for r, p in leaders.items()}
+            leader_loss = {r: self._loss_of(p, "leader") for r, p in leaders.items()}
             held = {r: get_flat_params(p.model) for r, p in leaders.items()}
         result = world_round(rule, {r: anchors[r] for r in self.regions}, tokens, sent=sent, leader_loss=leader_loss)
         for r, params in held.items():  # (the search leaves trial parameters in the leader's model)
@@ -365,7 +365,7 @@ class Simulator:
             anchors[r] = [a + d for a, d in zip(anchors[r], delta)]
             for p in members:
                 model, choice = member_world_mix(rule, own=get_flat_params(p.model), change=delta,
-                                                 loss_of=self._loss_of(p), own_loss=p.tune_loss,
+                                                 loss_of=self._loss_of(p, "world"), own_loss=p.tune_loss,
                                                  reuse=self._reuse(p, "world"))
                 self._remember(p, "world", choice)
                 p.tune_loss = None
@@ -399,7 +399,7 @@ class Simulator:
             if p.personal is None:
                 continue
             loss_of = None if p.data.tune.numel() < 2 else p.budget.counting(
-                p.personal.tune_losses if self.rule.windowed else p.personal.tune_loss, p.data.tune.numel())
+                p.personal.tune_losses if self.rule.windowed else p.personal.tune_loss, p.data.tune.numel(), "personal")
             own = get_flat_params(p.personal.model)
             new, choice = personal_mix(self.rule, personal=own, shared=get_flat_params(p.model), loss_of=loss_of,
                                        reuse=self._reuse(p, "personal"))

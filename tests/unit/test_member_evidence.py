@@ -31,15 +31,15 @@ def test_a_member_reuses_its_last_personal_choice_until_training_pays_for_a_sear
     member.set(shared)
     member.mix_personal(1)
     first = member.stats.mixes[-1]
-    spent = member.budget.spent
-    assert not first.get("reused") and spent > 0 and spent % slice_tokens == 0
+    spent = member.budget.spent["personal"]
+    assert not first.get("reused") and spent > 0 and spent % slice_tokens == 0 and member.budget.total == spent
     personal_before = member.personal_params()
     # no training since: the same weights again, nothing evaluated
     member.set([t + 0.01 for t in shared])
     member.mix_personal(2)
     second = member.stats.mixes[-1]
     assert second["reused"] and (second["lam"], second.get("key_lam")) == (first["lam"], first.get("key_lam"))
-    assert member.budget.spent == spent
+    assert member.budget.spent["personal"] == spent
     want, _ = rounds.personal_mix(member.rule, personal=personal_before, shared=member.params(),
                                   loss_of=lambda p: pytest.fail("evaluated"),
                                   reuse=mixing.reused_choice(first["lam"], first.get("key_lam")))
@@ -48,7 +48,7 @@ def test_a_member_reuses_its_last_personal_choice_until_training_pays_for_a_sear
     member.stats.tokens = int(spent / 0.3) + 1
     member.set([t + 0.02 for t in shared])
     member.mix_personal(3)
-    assert not member.stats.mixes[-1].get("reused") and member.budget.spent > spent
+    assert not member.stats.mixes[-1].get("reused") and member.budget.spent["personal"] > spent
 
 
 def test_region_and_world_choices_are_kept_apart_and_share_zero_always_searches():
@@ -57,17 +57,20 @@ def test_region_and_world_choices_are_kept_apart_and_share_zero_always_searches(
     choice = mixing.MixChoice(lam=0.25, loss=1.0, own_loss=1.1, evaluated=((0.25, 1.0),))
     member.record_mix("region", 1, choice)
     assert member.reuse_for("region") is None  # nothing spent yet: a search is due
-    member.budget.charge(10)  # spent > the allowance of no training
+    member.budget.charge("region", 10)  # spent > the allowance of no training
     assert member.reuse_for("region") is choice and member.reuse_for("world") is None
+    member.budget.charge("world", 10)
+    assert member.reuse_for("world") is None  # no world choice to reuse: search
     free = _member(0.0)
     free.record_mix("region", 1, choice)
-    free.budget.charge(1e9)
+    free.budget.charge("region", 1e9)
     assert free.reuse_for("region") is None
     # the slice loss functions the rounds use are charged one slice per call
-    loss_of = free.loss_of()
-    before = free.budget.spent
-    loss_of(get_flat_params(free.model))
-    assert free.budget.spent == before + free.trainer.data.tune.numel()
+    before = free.budget.spent["region"]
+    free.loss_of()(get_flat_params(free.model))
+    assert free.budget.spent["region"] == before + free.trainer.data.tune.numel()
+    free.loss_of("leader")(get_flat_params(free.model))
+    assert free.budget.spent["leader"] == free.trainer.data.tune.numel()
 
 
 def test_a_bad_share_is_refused_with_the_reason():

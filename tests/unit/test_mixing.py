@@ -256,15 +256,19 @@ def test_evidence_budget_hand_computed():
     b = mixing.EvidenceBudget(share=0.05, models=2)
     # allowance = 0.05 x 3 passes x 2 models x tokens
     assert b.allowance(1000) == pytest.approx(300.0)
-    assert b.due(0)  # nothing spent yet
-    b.charge(600)  # one search: three evaluations of a 200-token slice
-    assert not b.due(1000)  # 600 > 300
-    assert not b.due(1999)  # 600 > 599.7
-    assert b.due(2000)  # 600 <= 600
+    assert b.due("region", 0)  # nothing spent yet
+    b.charge("region", 600)  # one search: three evaluations of a 200-token slice
+    assert not b.due("region", 1000)  # 600 > 300
+    assert not b.due("region", 1999)  # 600 > 599.7
+    assert b.due("region", 2000)  # 600 <= 600
+    # each kind keeps its own account: the region's searches do not make the personal mix wait
+    assert b.due("personal", 1000) and b.spent == {"region": 600.0}
+    b.charge("personal", 100)
+    assert b.total == 700 and b.due("personal", 1000) and not b.due("personal", 100)
     # with share 0 every search is due, whatever was spent
     free = mixing.EvidenceBudget(share=0.0)
-    free.charge(1e9)
-    assert free.due(0)
+    free.charge("region", 1e9)
+    assert free.due("region", 0)
     for bad in (-0.1, math.inf, math.nan):
         with pytest.raises(ValueError, match="share"):
             mixing.EvidenceBudget(share=bad)
@@ -278,13 +282,13 @@ def test_evidence_budget_reuses_the_last_search_of_each_kind_until_one_is_due():
     def counted_loss(params):
         return float((params[0][0] - 1.0) ** 2)
 
-    loss_of = b.counting(counted_loss, 100)
-    assert b.counting(None, 100) is None
+    loss_of = b.counting(counted_loss, 100, "region")
+    assert b.counting(None, 100, "region") is None
     own, target = [torch.tensor([0.0])], [torch.tensor([4.0])]
     assert b.reuse("region", trained_tokens=0) is None  # no search yet: search
     _, first = mixing.mix_toward(own, target, loss_of, grid=GRID)
     b.remember("region", first)
-    spent = b.spent
+    spent = b.spent["region"]
     assert spent == 100 * len(first.evaluated) == 400  # each evaluation (the own model's included) charged one slice
     # trained little since: not due, the region choice comes back; no choice of another kind yet
     assert b.reuse("region", trained_tokens=10) is first

@@ -65,7 +65,8 @@ class Member:
         own = get_flat_params(trainer.model)
         try:
             new, choice = rounds.personal_mix(self.rule, personal=own, shared=self.params(),
-                                              loss_of=self._counted(loss_of), reuse=self.reuse_for("personal"))
+                                              loss_of=self._counted(loss_of, "personal"),
+                                              reuse=self.reuse_for("personal"))
         except Exception as e:
             logger.warning("personal mixing failed (%s: %s): keeping this peer's personal model", type(e).__name__, e)
             new, choice = own, None
@@ -79,18 +80,19 @@ class Member:
     def set(self, params: list[torch.Tensor]) -> None:
         set_params(self.model, params)
 
-    def loss_of(self) -> Callable | None:
-        """This peer's tune-slice loss of a parameter list (None without a slice: no evidence). It
+    def loss_of(self, kind: str = "region") -> Callable | None:
+        """This peer's tune-slice loss of a parameter list (None without a slice: no evidence), for a
+        search of ``kind`` ("region", "world", "leader": what the evidence budget charges). It
         leaves the parameters tried in the model; the caller sets the one it settles on."""
         if not self.rule.evidence or self.trainer.data.tune.numel() < 2:
             return None
-        return self._counted(self.trainer.tune_losses if self.rule.windowed else self.trainer.tune_loss)
+        return self._counted(self.trainer.tune_losses if self.rule.windowed else self.trainer.tune_loss, kind)
 
-    def _counted(self, loss_of: Callable | None) -> Callable | None:
-        """``loss_of`` charged to the evidence budget (one tune slice per call)."""
+    def _counted(self, loss_of: Callable | None, kind: str) -> Callable | None:
+        """``loss_of`` charged to ``kind`` in the evidence budget (one tune slice per call)."""
         if self.budget is None or loss_of is None:
             return loss_of
-        return self.budget.counting(loss_of, self.trainer.data.tune.numel())
+        return self.budget.counting(loss_of, self.trainer.data.tune.numel(), kind)
 
     def reuse_for(self, kind: str) -> mixing.MixChoice | None:
         """The last ``kind`` choice ("region", "world", "personal") to take again instead of a search,
@@ -105,7 +107,7 @@ class Member:
             return None
         if self._evaluator is None:
             self._evaluator = SliceEvaluator(self.trainer)
-        return self._counted(self._evaluator.tune_losses if self.rule.windowed else self._evaluator.tune_loss)
+        return self._counted(self._evaluator.tune_losses if self.rule.windowed else self._evaluator.tune_loss, "region")
 
     def mix_safely(self, search: Callable, *, own: list[torch.Tensor]):
         """Run a mixing search; if evaluating the tune slice fails (out of memory, say), keep the

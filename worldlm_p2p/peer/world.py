@@ -216,7 +216,7 @@ class WorldRounds:
         (:func:`worldlm_p2p.rounds.leader_residual_step`: main thread, the model is this peer's). On
         a failure to evaluate, the region keeps its K (no step)."""
         snapshot, moved = done.trace["snapshot"], done.trace["model"]
-        loss_of = self.member.loss_of()
+        loss_of = self.member.loss_of("leader")
         if loss_of is None:
             return done
         params = self.member.params()
@@ -288,7 +288,7 @@ class WorldRounds:
         if self._refutes(known, params):
             return
         adopted, mix = self.member.mix_safely(lambda: rounds.member_world_mix(
-            self.rule, own=params, change=known.delta, loss_of=self.member.loss_of(),
+            self.rule, own=params, change=known.delta, loss_of=self.member.loss_of("world"),
             reuse=self.member.reuse_for("world")), own=params)
         self.member.set(adopted)
         if self.rule.evidence and self.rule.config.mix_world:
