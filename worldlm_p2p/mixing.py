@@ -305,11 +305,12 @@ class EvidenceBudget:
     ``len(grid) + 2`` forward passes over it), whatever the member trained since the last one: at a
     small H, or with a slice large against a round's batches, the evidence costs as much as training
     (``benchmarks/RESULTS.md``, issue 14). With ``share > 0`` a search of one *kind* (a member's
-    region, world or personal mix; a leader's residual step) is *due* only while the slice tokens
+    region, world or personal mix) is *due* only while the slice tokens
     that kind evaluated so far (:meth:`charge`) are at most ``share`` times the forward passes of the
     member's training so far (``TRAIN_PASSES x models x trained tokens``, ``models`` the models it
     trains per token: 2 with a personal model apart); when none is due the member reuses that kind's
-    last weights (``fixed`` in :func:`line_search`). Each kind keeps its own account, so that one
+    last weights (``fixed`` in :func:`line_search`). (A leader's residual step, once per world
+    round, is charged to its own account, ``"leader"``, and always made.) Each kind keeps its own account, so that one
     kind's searches never starve another's (the personal mix, which makes the model a member holds,
     comes after the region's in a round), and over a run each kind costs about ``share`` of training
     with its weights refreshed as often as that allows: a slowly updated mixing weight, as in APFL

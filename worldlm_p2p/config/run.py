@@ -232,8 +232,9 @@ class AggregationConfig:
     - ``personal_tau``: the temperature of ``mix = "cosine"``.
     - ``evidence_share``: with ``mix = "evidence"``, the share of a member's compute its evidence
       searches may take, in forward passes (0, the default: a search at every round). Above 0 a
-      member searches only while the tune-slice tokens it evaluated so far are at most this share of
-      the forward passes of its training so far, and otherwise takes its last search's weights again
+      member makes each kind of search (its region, world and personal mixes) only while the
+      tune-slice tokens that kind evaluated so far are at most this share of the forward passes of
+      its training so far, and otherwise takes that kind's last weights again
       (:class:`worldlm_p2p.mixing.EvidenceBudget`). For peers whose rounds come often against what
       they train between them (a small H, a CPU shared with the round's work): e.g. 0.05. Its cost in
       perplexity is measured in ``benchmarks/RESULTS.md`` (issue 14).
