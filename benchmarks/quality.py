@@ -93,6 +93,10 @@ ABLATIONS = {
     # DiLoCo's outer optimizer (arXiv 2311.08105: Nesterov, lr 0.7, momentum 0.9) on the region's
     # backbone; with two models per member only the shared model follows it, the personal one by evidence
     "outer-nesterov": ["--outer", "nesterov", "--outer-lr", "0.7"],
+    # FedAvg's server learning rate above 1 (no momentum): the region's agreed model extrapolates the
+    # members' mean change, which a plain mean shrinks where their data differ
+    "outer-sgd-1.5": ["--outer", "sgd", "--outer-lr", "1.5"],
+    "outer-sgd-2": ["--outer", "sgd", "--outer-lr", "2"],
     # the members' evidence searches held to a share of their compute, their last weights reused in
     # between (aggregation.evidence_share; issue 14: what a peer whose rounds are frequent pays)
     "evidence-5pct": ["--evidence-share", "0.05"],

@@ -145,7 +145,8 @@ class PeerCheckpoint:
     the run manifest (a dict; None in older checkpoints), who wrote it, under border DP the last
     world model and the region's accountant, and with a separate personal model
     (``aggregation.personal_model``) that model (``personal``, a ``state_dict``) and its optimizer;
-    ``model`` is then the shared model, the one that takes part in the rounds."""
+    ``model`` is then the shared model, the one that takes part in the rounds. ``evidence``: the
+    member's evidence budget (``aggregation.evidence_share``; None in older checkpoints)."""
 
     fingerprint: str
     region: str
@@ -163,12 +164,15 @@ class PeerCheckpoint:
     has_world_ref: bool = True  # False for older checkpoints that did not store it
     personal: dict[str, torch.Tensor] | None = None
     personal_optimizer: dict[str, Any] | None = None
+    #: the evidence budget's accounts and last weights (:meth:`worldlm_p2p.mixing.EvidenceBudget.state_dict`)
+    evidence: dict[str, Any] | None = None
 
     def to_payload(self) -> dict[str, Any]:
         return dict(run_id=self.run_id, fingerprint=self.fingerprint, region=self.region, model=self.model,
                     optimizer=self.optimizer, anchor=list(self.anchor), momentum=self.momentum, stats=self.stats,
                     manifest=self.manifest, label=self.label, peer_id=self.peer_id, world_ref=self.world_ref,
-                    border=self.border, personal=self.personal, personal_optimizer=self.personal_optimizer)
+                    border=self.border, personal=self.personal, personal_optimizer=self.personal_optimizer,
+                    evidence=self.evidence)
 
     @classmethod
     def from_payload(cls, p: Any) -> "PeerCheckpoint":
@@ -190,7 +194,8 @@ class PeerCheckpoint:
                    has_world_ref="world_ref" in p,
                    personal=p.get("personal") if isinstance(p.get("personal"), dict) else None,
                    personal_optimizer=p.get("personal_optimizer") if isinstance(p.get("personal_optimizer"), dict)
-                   else None)
+                   else None,
+                   evidence=p.get("evidence") if isinstance(p.get("evidence"), dict) else None)
 
 
 def state_digest(tensors: Sequence[torch.Tensor]) -> str:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -355,6 +355,36 @@ class EvidenceBudget:
     def charge(self, kind: str, tokens: float) -> None:
         """Count one evaluation of ``tokens`` slice tokens by a search of ``kind``."""
         self.spent[kind] = self.spent.get(kind, 0.0) + float(tokens)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The accounts and the last searched weights, as plain numbers (a peer's checkpoint keeps them,
+        so that a resumed member neither searches again at once nor starts a new account)."""
+        return {"spent": dict(self.spent),
+                "last": {k: [c.lam, c.second_lam] for k, c in self._last.items()}}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore :meth:`state_dict`'s output (ValueError, saying why, for anything else; nothing is
+        changed then)."""
+        if not isinstance(state, Mapping) or not isinstance(state.get("spent"), Mapping) or not isinstance(
+                state.get("last"), Mapping):
+            raise ValueError("evidence budget state must be a mapping with 'spent' and 'last' mappings")
+        spent: dict[str, float] = {}
+        for kind, v in state["spent"].items():
+            if not isinstance(kind, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                    math.isfinite(v) and v >= 0):
+                raise ValueError(f"evidence budget: spent[{kind!r}] = {v!r} is not a finite count >= 0")
+            spent[kind] = float(v)
+        last: dict[str, MixChoice] = {}
+        for kind, v in state["last"].items():
+            if not isinstance(kind, str) or not isinstance(v, (list, tuple)) or len(v) != 2:
+                raise ValueError(f"evidence budget: last[{kind!r}] = {v!r} is not [lam, second_lam]")
+            lam, second = v
+            ok = lambda x: not isinstance(x, bool) and isinstance(x, (int, float)) and 0.0 <= x <= 1.0  # noqa: E731
+            if not ok(lam) or not (second is None or ok(second)):
+                raise ValueError(f"evidence budget: last[{kind!r}] = {v!r} holds a weight outside [0, 1]")
+            last[kind] = MixChoice(lam=float(lam), loss=math.nan, own_loss=math.nan, evaluated=(),
+                                   second_lam=None if second is None else float(second))
+        self.spent, self._last = spent, last
 
     def counting(self, loss_of: Callable[[list[torch.Tensor]], Loss] | None, tokens: int, kind: str
                  ) -> Callable[[list[torch.Tensor]], Loss] | None:

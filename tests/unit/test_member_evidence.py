@@ -79,3 +79,46 @@ def test_a_bad_share_is_refused_with_the_reason():
     for bad in (-1, float("nan"), 11):
         with pytest.raises(ConfigError, match="evidence_share"):
             RunManifest.from_dict({"run_id": "ev", "aggregation": {"evidence_share": bad}})
+
+
+def test_a_resumed_member_keeps_its_evidence_accounts_and_last_weights(tmp_path, caplog):
+    """The checkpoint keeps the budget: a resumed member neither searches at once (its accounts are
+    spent) nor forgets the weights it reuses; a damaged budget in a checkpoint starts new accounts
+    with a warning, and the rest of the checkpoint resumes."""
+    from worldlm_p2p.peer import checkpoints
+    from worldlm_p2p.peer.state import RegionState
+
+    member = _member(0.05)
+    cfg = PeerConfig(region="eu", data=".", checkpoint_dir=str(tmp_path))
+    member.set([t + 0.01 for t in member.params()])
+    member.mix_personal(1)
+    first = member.stats.mixes[-1]
+    spent = dict(member.budget.spent)
+    manifest = RunManifest.from_dict({"run_id": "ev", "model": {"preset": "tiny"},
+                                      "train": {"batch_size": 2, "seq_len": 32},
+                                      "aggregation": {"evidence_share": 0.05}})
+    checkpoints.write(cfg, manifest, member=member, state=RegionState(anchor=member.params(), border_delta=None),
+                      stats=member.stats, label="x", peer_id="p")
+
+    resumed = _member(0.05)
+    assert checkpoints.resume(cfg, manifest, member=resumed,
+                              state=RegionState(anchor=resumed.params(), border_delta=None), stats=resumed.stats)
+    assert resumed.budget.spent == spent
+    again = resumed.reuse_for("personal")
+    assert again is not None and (again.lam, again.second_lam) == (first["lam"], first.get("key_lam"))
+    resumed.set([t + 0.01 for t in resumed.params()])
+    resumed.mix_personal(2)
+    assert resumed.stats.mixes[-1]["reused"] and resumed.budget.spent == spent  # nothing evaluated
+
+    # a checkpoint whose budget is damaged: new accounts, a warning, the models still resume
+    from worldlm_p2p.checkpoint import load_latest_checkpoint, save_checkpoint
+    payload = dict(load_latest_checkpoint(tmp_path).payload)
+    payload["evidence"] = {"spent": {"personal": -1.0}, "last": {}}
+    damaged = tmp_path / "damaged"
+    save_checkpoint(damaged, step=1, payload=payload, keep=2)
+    fresh = _member(0.05)
+    with caplog.at_level("WARNING"):
+        assert checkpoints.resume(PeerConfig(region="eu", data=".", checkpoint_dir=str(damaged)), manifest,
+                                  member=fresh, state=RegionState(anchor=fresh.params(), border_delta=None),
+                                  stats=fresh.stats)
+    assert fresh.budget.spent == {} and "evidence budget is unusable" in caplog.text

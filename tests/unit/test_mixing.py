@@ -302,3 +302,32 @@ def test_evidence_budget_reuses_the_last_search_of_each_kind_until_one_is_due():
     enough = math.ceil(spent / 0.3)
     assert b.reuse("region", trained_tokens=enough - 1) is first
     assert b.reuse("region", trained_tokens=enough) is None
+
+
+def test_evidence_budget_state_round_trips_and_rejects_damage():
+    b = mixing.EvidenceBudget(share=0.1, models=2)
+    b.charge("region", 300)
+    b.charge("personal", 50)
+    b.remember("region", mixing.MixChoice(lam=0.25, loss=1.0, own_loss=1.1, evaluated=((0.25, 1.0),)))
+    b.remember("personal", mixing.MixChoice(lam=0.5, loss=1.0, own_loss=1.1, evaluated=((0.5, 1.0),),
+                                            second_lam=0.125))
+    state = b.state_dict()
+    assert state == {"spent": {"region": 300.0, "personal": 50.0},
+                     "last": {"region": [0.25, None], "personal": [0.5, 0.125]}}
+    c = mixing.EvidenceBudget(share=0.1, models=2)
+    c.load_state_dict(state)
+    assert c.spent == b.spent and c.total == 350.0
+    # the same decisions as the original: 300 <= 0.1 x 3 x 2 x tokens from 500 tokens on
+    for tokens in (499, 500):
+        for kind in ("region", "personal", "world"):
+            got, want = c.reuse(kind, tokens), b.reuse(kind, tokens)
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert (got.lam, got.second_lam) == (want.lam, want.second_lam)
+    for bad in (None, [], {"spent": {}}, {"spent": {"region": -1}, "last": {}},
+                {"spent": {"region": math.nan}, "last": {}}, {"spent": {"region": True}, "last": {}},
+                {"spent": {}, "last": {"region": [1.5, None]}}, {"spent": {}, "last": {"region": [0.5]}},
+                {"spent": {}, "last": {"region": "0.5"}}):
+        with pytest.raises(ValueError, match="evidence budget"):
+            c.load_state_dict(bad)
+        assert c.spent == b.spent  # unchanged

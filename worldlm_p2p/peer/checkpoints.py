@@ -33,7 +33,8 @@ def write(config: PeerConfig, manifest: RunManifest, *, member: Member, state: R
         world_ref=state.world_ref, border=state.border.state_dict() if state.border is not None else None,
         personal={k: v.detach().to("cpu") for k, v in member.personal.model.state_dict().items()}
         if member.personal is not None else None,
-        personal_optimizer=member.personal.state_dict() if member.personal is not None else None)
+        personal_optimizer=member.personal.state_dict() if member.personal is not None else None,
+        evidence=member.budget.state_dict() if member.budget is not None else None)
     path = save_checkpoint(config.checkpoint_dir, step=stats.step, payload=ckpt.to_payload(),
                            keep=config.keep_checkpoints)
     logger.info("checkpoint written: %s", path)
@@ -85,6 +86,12 @@ def resume(config: PeerConfig, manifest: RunManifest, *, member: Member, state: 
     except (KeyError, RuntimeError, ValueError, TypeError, AttributeError) as e:
         raise CheckpointError(f"checkpoint {loaded.path} does not fit this model: {type(e).__name__}") from None
     stats.restore(ckpt.stats)
+    if member.budget is not None and ckpt.evidence is not None:
+        try:
+            member.budget.load_state_dict(ckpt.evidence)
+        except ValueError as e:  # the accounts only pace the searches: start new ones, say so
+            logger.warning("checkpoint %s: its evidence budget is unusable (%s); this member starts new accounts",
+                           loaded.path, e)
     if ckpt.has_world_ref:
         state.world_ref = [t.to("cpu") for t in ckpt.world_ref] if ckpt.world_ref is not None else None
     if state.border is not None and ckpt.border is not None:
