@@ -450,4 +450,4 @@ def test_the_benchmark_groupings_are_valid() -> None:
         layout = read_grouping(path, root=corpus)
         sizes[path.stem] = sorted(len(v) for v in layout.values())
     assert sizes == {"mixed": [1, 1, 1, 4], "random": [2, 3, 4], "related": [1, 2, 2], "scripts": [1, 1, 1, 1],
-                     "today": [5, 6, 7]}
+                     "today": [5, 6, 7], "holdout": [2, 3, 3, 4]}
