@@ -66,7 +66,11 @@ VARIANTS = {
     # weights in between: aggregation.evidence_share)
     "overlap-tokens-ev5": {"overlap": True, "schedule": "tokens", "evidence_share": 0.05},
     "overlap-ev5": {"overlap": True, "evidence_share": 0.05},
+    # the same peers with no round ever due (H = 10^6, the steps as the others'): what a swarm peer's
+    # own upkeep costs its training (progress records, the lease, the DHT and p2pd processes), rounds apart
+    "no-rounds": {},
 }
+NO_ROUNDS_H = 10**6
 FULL_CONFIGS = "tiny:2:10,tiny:2:50,tiny:4:10,tiny:4:50,small:2:10,small:2:50,small:4:50"
 QUICK_CONFIGS = "tiny:2:10"
 
@@ -122,8 +126,8 @@ def run_swarm(args, *, model: str, regions: dict[str, int], H: int, variant: str
     n = sum(regions.values())
     shape = "+".join(str(k) for k in regions.values())
     tag = f"{model}-{shape}-{H}-{variant}{'-slow' if slow else ''}"
-    m = manifest(args, model=model, H=H, run_id=f"perf-{tag}".replace(".", "_").replace("+", "x"),
-                 aggregation=VARIANTS[variant])
+    m = manifest(args, model=model, H=NO_ROUNDS_H if variant == "no-rounds" else H,
+                 run_id=f"perf-{tag}".replace(".", "_").replace("+", "x"), aggregation=VARIANTS[variant])
     labels = {f"{r}-{d.name}": r for r in regions for d in sorted((corpus / r).iterdir())[:regions[r]]}
     config = SwarmConfig(regions=dict(regions), data=corpus, out=tmp / tag, manifest=m, max_steps=H * args.rounds,
                          threads_per_peer=THREADS, checkpoints=False, startup_timeout=120.0, stop_timeout=30.0,
