@@ -71,6 +71,9 @@ VARIANTS = {
     "no-rounds": {},
 }
 NO_ROUNDS_H = 10**6
+#: a run during which processes other than the swarm's took more cores than this is marked as not
+#: clean (these machines are shared: a figure taken next to another job is not one of ours)
+NOISY_OTHER_CORES = 0.2
 FULL_CONFIGS = "tiny:2:10,tiny:2:50,tiny:4:10,tiny:4:50,small:2:10,small:2:50,small:4:50"
 QUICK_CONFIGS = "tiny:2:10"
 
@@ -348,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                                                if r["wire_sent_per_mtok_median"] else None))
             result["runs"].append(r)
             say(f"  utilisation {_fmt(r['utilisation'], '.3f')}, rounds {_fmt(r['rounds_completed_median'], '.0f')}, "
-                f"round {_fmt(r['round_seconds_median'])} s, stood still {_fmt(r['seconds_in_rounds_median'], '.1f')} s")
+                f"round {_fmt(r['round_seconds_median'])} s, stood still {_fmt(r['seconds_in_rounds_median'], '.1f')} s"
+                + (f"; NOT CLEAN: other processes took {_others(r):.2f} cores" if _noisy(r) else ""))
     except KeyboardInterrupt:
         say("interrupted: writing what was measured")
     result["wall_s"] = time.monotonic() - t_run
@@ -358,6 +362,15 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".md").write_text(md + "\n")
     print(md)
     return 0
+
+
+def _others(run: dict[str, Any]) -> float:
+    """Cores that processes other than the swarm's took during ``run`` (0 when not sampled)."""
+    return float((run.get("cpu") or {}).get("cores_other_users") or 0.0)
+
+
+def _noisy(run: dict[str, Any]) -> bool:
+    return _others(run) > NOISY_OTHER_CORES
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -388,6 +401,10 @@ def markdown(result: dict[str, Any]) -> str:
                           f"{r['world_rounds_led']}, adopted per peer (median) "
                           f"{_fmt(r['world_rounds_adopted_median'], '.0f')}; "
                           f"machine cores busy {_fmt((r.get('cpu') or {}).get('cores_machine_busy'))}."]
+    for r in result["runs"]:
+        if _noisy(r):
+            lines += ["", f"Not clean: during {r['variant']}{' (slow)' if r.get('slow') else ''} processes other than "
+                          f"the swarm's took {_others(r):.2f} cores of the machine; measure it again."]
     slow = [r for r in result["runs"] if r.get("slow")]
     for r in slow:
         both = [q["full_group_share"] for q in r["per_peer"] if not q["slow"]]
