@@ -85,8 +85,9 @@ def manifest(args, *, model: str, H: int, run_id: str, aggregation: dict[str, An
         "run_id": run_id,
         "model": {"preset": model},
         "train": {"inner_steps": H, "batch_size": args.batch_size, "seq_len": args.seq_len, "eval_tokens": 2048},
-        "averaging": {"matchmaking_time": args.matchmaking_time, "request_timeout": args.request_timeout,
-                      "averaging_timeout": args.averaging_timeout, "barrier_timeout": args.barrier_timeout},
+        "averaging": {"averaging_timeout": args.averaging_timeout, "barrier_timeout": args.barrier_timeout,
+                      **({"matchmaking_time": args.matchmaking_time} if args.matchmaking_time is not None else {}),
+                      **({"request_timeout": args.request_timeout} if args.request_timeout is not None else {})},
         # one model per peer (personal_model "inline"): utilisation measures what the network costs a
         # peer's training; the default's second, personal model doubles the training compute per token
         # whatever the network does (benchmarks/personal_cost.py measures that apart); --set
@@ -239,8 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an [aggregation] setting for every variant, e.g. mix=none (the evidence search's cost "
                         "apart) or strategy=fedavg; repeatable")
-    p.add_argument("--matchmaking-time", type=float, default=1.5)
-    p.add_argument("--request-timeout", type=float, default=0.5)
+    # the product's defaults (averaging.matchmaking_time 3 s, request_timeout 1 s) unless told otherwise;
+    # until 2026-12-06 this script used 1.5 s and 0.5 s, which split the 16-peer regions (RESULTS.md)
+    p.add_argument("--matchmaking-time", type=float, default=None, help="averaging.matchmaking_time (default: the product's)")
+    p.add_argument("--request-timeout", type=float, default=None, help="averaging.request_timeout (default: the product's)")
     p.add_argument("--averaging-timeout", type=float, default=30.0)
     p.add_argument("--barrier-timeout", type=float, default=30.0)
     p.add_argument("--swarm-timeout", type=float, default=900.0, help="give up on one swarm after this long")
