@@ -516,7 +516,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="for iteration: 2 corpora (scripts, related), the short budget "
                                                         "and 20 rounds x 25 steps, 2 seeds, baselines fedavg and "
-                                                        "hierfavg, the mix-none ablation on related (about 17 min here)")
+                                                        "hierfavg, the mix-none ablation on related (about 11 min from nothing on 2 cores)")
     p.add_argument("--corpora", default=None, help=f"comma-separated, of {', '.join(KNOWN_CORPORA)} (default: all but {', '.join(EXTRA_CORPORA)})")
     p.add_argument("--ablation-corpora", default=None, help="corpora that get the ablations (default related,mixed: both have regions of several peers, where K attention acts, and several regions)")
     p.add_argument("--ablations", default=",".join(DEFAULT_ABLATIONS),
