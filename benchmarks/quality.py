@@ -70,6 +70,9 @@ ABLATIONS = {
     "no-mix-world": ["--no-mix-world"],
     "K-mean": ["--attention", "mean"],
     "usage-rows": ["--usage-rows"],  # K's rows weighted by the members' token counts
+    # attention over K by what each member's text holds: a plain mean over members per layer, each
+    # row of the token-indexed key layers weighted by the members' token counts (no distance score)
+    "K-usage": ["--attention", "mean", "--usage-rows"],
     "no-residual": ["--no-residual"],
     # the leaders' attention over the other regions, by how alike they departed from the rest (the
     # default since 2026-12-06; before, "world")

@@ -225,12 +225,15 @@ def payload_codecs(rule: RoundRule, payload: Sequence[torch.Tensor]) -> list[str
     a member whose key layers moved by more than about ten times ``tau`` of their norm would send zeros
     (and the group's numerator would round to zero while its float32 denominator did not, freezing
     the region's K at its anchor), so ``compress_key = "fp16"`` carries that change in float32. The
-    8-bit codec scales each tensor to its own spread and keeps it."""
+    same holds for per-row weights (``usage_rows``): a member's prior on a token it never saw is
+    ``1 / (total + V)``, about 1e-6 for a million tokens of text, which times a change of 1e-2 is
+    below fp16's smallest subnormal. The 8-bit codec scales each tensor to its own spread and keeps
+    it."""
     n_b = len(rule.split.backbone) if rule.localises else len(rule.split.names)
     codecs = [rule.config.compress_backbone] * n_b
     if rule.strategy.attentive:
         key_codec = rule.config.compress_key
-        if key_codec == "fp16" and rule.config.attention != "mean":
+        if key_codec == "fp16" and (rule.config.attention != "mean" or rule.usage_rows):
             key_codec = "none"
         codecs += [key_codec] * len(rule.split.key) + ["none"]
     if len(codecs) != len(payload):

@@ -153,6 +153,30 @@ def test_attentive_key_layers_that_moved_far_are_not_flushed_to_zero_by_fp16():
     torch.testing.assert_close(agreed[1], want[1], rtol=0, atol=1e-6)  # as in float32
 
 
+def test_usage_weighted_key_rows_are_not_flushed_to_zero_by_fp16():
+    """Per-row weights (a plain mean over peers, rows by token usage): a member that saw ten million
+    tokens, all of row 0, has a prior of about 1e-7 on every other row, and its encoded change there
+    (prior times a change of 1e-2) is below fp16's smallest subnormal. The round with the default
+    codecs equals the float32 round."""
+    kw = dict(strategy="worldlm", robust="mean", attention="mean", usage_rows=True)
+    rule = RoundRule.of(SPLIT, compress_backbone="fp16", compress_key="fp16", **kw)
+    exact = RoundRule.of(SPLIT, compress_backbone="none", compress_key="none", **kw)
+    anchor, members = _members()
+    rows = anchor[1].shape[0]
+    usage = [torch.zeros(rows, dtype=torch.float64) for _ in members]
+    for i, u in enumerate(usage):
+        u[i] = 1e7  # each member uses one row only
+    prior = attention.row_priors([anchor[1]], usage[0])[0]
+    assert float(prior[5]) * 1e-2 < 6e-8  # beyond fp16's range
+    _, _, agreed = region_round_with_anchor(rule, members, [1.0, 2.0, 3.0], anchor=anchor, momentum=None, usage=usage)
+    _, _, want = region_round_with_anchor(exact, members, [1.0, 2.0, 3.0], anchor=anchor, momentum=None, usage=usage)
+    assert float((agreed[1][5] - anchor[1][5]).abs().max()) > 1e-3  # the rows nobody uses moved too
+    torch.testing.assert_close(agreed[1], want[1], rtol=0, atol=1e-6)  # as in float32
+    # row i takes member i's change: its prior there is ~1, the others' ~1e-7
+    for i, m in enumerate(members):
+        torch.testing.assert_close(agreed[1][i], m[1][i], rtol=0, atol=1e-5)
+
+
 def test_group_average_with_codecs_encodes_each_payload_and_the_result():
     rule = RoundRule.of(SPLIT, strategy="fedavg", robust="mean", compress_backbone="fp16")
     a = [T([1.0 + 2 ** -11, 0.0]), T([3.0])]
