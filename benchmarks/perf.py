@@ -267,8 +267,10 @@ def main(argv: list[str] | None = None) -> int:
                 settings[k] = v
         args.set = settings
         for item in (args.configs or (QUICK_CONFIGS if args.quick else FULL_CONFIGS)).split(","):
-            model, n, H = item.strip().split(":")
-            specs.append((model, int(n), int(H)))
+            parts = item.strip().split(":")
+            if len(parts) != 3 or not parts[1].strip().isdigit() or not parts[2].strip().isdigit():
+                raise ValueError(f"--configs {item.strip()!r}: expected MODEL:PEERS:H with whole numbers, e.g. tiny:2:10")
+            specs.append((parts[0].strip(), int(parts[1]), int(parts[2])))
         variants = [v.strip() for v in args.variants.split(",") if v.strip()]
         bad = [v for v in variants if v not in VARIANTS]
         if bad or not variants:

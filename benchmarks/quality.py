@@ -515,7 +515,7 @@ def targets_table(summary: dict[str, Any], args) -> list[str]:
                     "hierfavg / worldlm >= 1.86x; stretch: below centralized in every region.", ""]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="for iteration: 2 corpora (scripts, related), the short budget "
                                                         "and 20 rounds x 25 steps, 2 seeds, baselines fedavg and "
@@ -540,7 +540,7 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--workdir", type=Path, default=None, help="keep (and reuse) every run's results here")
     p.add_argument("--out", type=Path, default=None, help="raw results (default benchmarks/out/quality[-quick].json)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.corpora = (args.corpora or ("scripts,related" if args.quick else ",".join(CORPORA))).split(",")
     args.ablation_corpora = (args.ablation_corpora or ("related" if args.quick else "related,mixed")).split(",")
     if args.quick and args.ablations == ",".join(DEFAULT_ABLATIONS):

@@ -1,0 +1,39 @@
+"""The benchmark scripts refuse bad input with one line on stderr and exit status 2, before any run."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_bench_cli", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("configs", ["tiny:x:10", "tiny:2", "tiny:2:10:3", "tiny:2:-1", "tiny:1:10", "nosuch:2:10"])
+def test_perf_refuses_bad_configs(configs, capsys):
+    perf = _load("perf")
+    assert perf.main(["--configs", configs, "--variants", "sync"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("perf.py: error: ") and "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["--corpora", "nosuch"], ["--ablation-corpora", "nosuch"], ["--ablations", "nosuch"],
+                                  ["--baselines", "nosuch"], ["--budgets", "short,middle"], ["--report-only"]])
+def test_quality_refuses_bad_input(argv, tmp_path):
+    quality = _load("quality")
+    workdir = [] if argv == ["--report-only"] else ["--workdir", str(tmp_path)]
+    with pytest.raises(SystemExit) as e:  # sys.exit(message): the message on stderr, exit status 1
+        quality.main([*argv, *workdir])
+    assert isinstance(e.value.code, str) and e.value.code.startswith("quality.py: error: ")
+    assert "\n" not in e.value.code
+    assert not any(tmp_path.iterdir())  # refused before anything was written
