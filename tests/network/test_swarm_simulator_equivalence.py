@@ -48,7 +48,7 @@ def _signal(proc, sig) -> None:
         pass
 
 
-def _start_together(procs: Procs, tmp, maddrs, *, timeout: float = 180) -> dict:
+def _start_together(procs: Procs, tmp, maddrs, *, max_steps: int = H, timeout: float = 180) -> dict:
     """Start one peer per sub-corpus and line them up before they train.
 
     The region barrier waits for every peer whose progress record it sees; a peer whose start-up
@@ -58,7 +58,7 @@ def _start_together(procs: Procs, tmp, maddrs, *, timeout: float = 180) -> dict:
     last one is ready. Only the peer's main process is paused: its DHT process and p2p daemon keep
     answering, so the others' start-up does not wait for timeouts. Bounded: after ``timeout`` they
     resume anyway."""
-    peers = {label: start_peer(procs, tmp, maddrs, region=REGION, sub=label, label=label, max_steps=H)
+    peers = {label: start_peer(procs, tmp, maddrs, region=REGION, sub=label, label=label, max_steps=max_steps)
              for label in SUBS}
     paused: set[str] = set()
     deadline = time.monotonic() + timeout
@@ -86,22 +86,27 @@ def _start_together(procs: Procs, tmp, maddrs, *, timeout: float = 180) -> dict:
     return peers
 
 
-# the defaults, and the two options that change what a region round computes: the shared model
-# adopting the agreed model whole (K included), and K's rows weighted by each member's token counts
-# (counted by the peer from its own training text, by the simulator from the same text)
+# (aggregation table, region rounds): the defaults; the two options that change what a region round
+# computes: the shared model adopting the agreed model whole (K included), and K's rows weighted by
+# each member's token counts (counted by the peer from its own training text, by the simulator from
+# the same text); and the evidence budget, over two rounds: the first searches, the second (its
+# searches over budget) takes the first's weights again, in the swarm as in the simulator
 VARIANTS = {
-    "defaults": "",
-    "agreed-usage": 'shared_model = "agreed"\nusage_rows = true',
+    "defaults": ("", 1),
+    "agreed-usage": ('shared_model = "agreed"\nusage_rows = true', 1),
+    "evidence-budget": ("evidence_share = 0.05", 2),
 }
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path, variant):
-    _, maddrs = start_bootstrap(procs, tmp_path, run_id="simeq", inner_steps=H, aggregation=VARIANTS[variant])
-    peers = _start_together(procs, tmp_path, maddrs)
+    aggregation, n_rounds = VARIANTS[variant]
+    last = n_rounds - 1  # the round compared in full (every earlier one shaped its inputs)
+    _, maddrs = start_bootstrap(procs, tmp_path, run_id="simeq", inner_steps=H, aggregation=aggregation)
+    peers = _start_together(procs, tmp_path, maddrs, max_steps=n_rounds * H)
     for label, proc in peers.items():
         try:
-            code = proc.wait(timeout=240)
+            code = proc.wait(timeout=240 * n_rounds)
         except Exception:
             raise AssertionError(f"{label} did not finish:\n{log_tail(tmp_path, label)}")
         assert code == 0, f"{label} exited {code}:\n{log_tail(tmp_path, label)}"
@@ -116,7 +121,7 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path, var
     assert (m.aggregation.shared_model, m.aggregation.usage_rows) == (
         ("agreed", True) if variant == "agreed-usage" else ("evidence", False))
     sim = _RecordingSimulator(SimConfig(data=str(corpus.parent), model=m.model, tokenizer=m.tokenizer, train=m.train,
-                                        aggregation=m.aggregation, rounds=1, device="cpu"))
+                                        aggregation=m.aggregation, rounds=n_rounds, device="cpu"))
     results = sim.run()
     assert sorted(p.label for p in sim.peers) == sorted(SUBS)
     assert all((p.usage is not None) == (variant == "agreed-usage") for p in sim.peers)
@@ -128,26 +133,29 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path, var
     sums = {label: summary(tmp_path, label) for label in SUBS}
     rounds = {label: traces(tmp_path, label) for label in SUBS}
     for label in SUBS:
-        assert sums[label]["steps"] == H and sums[label]["tokens"] == results["peers"][f"{REGION}/{label}"]["tokens"]
+        assert sums[label]["steps"] == n_rounds * H
+        assert sums[label]["tokens"] == results["peers"][f"{REGION}/{label}"]["tokens"]
 
-    # before the round: the swarm's peers trained exactly as the simulator's (no grouping involved)
+    # before the (last) round: the swarm's peers trained exactly as the simulator's (no grouping
+    # involved in the first round; every earlier round's result in the others)
     for label in SUBS:
-        if 0 not in rounds[label]:
+        if last not in rounds[label]:
             continue  # it found no other live peer: reported below
-        t = rounds[label][0]
+        t = rounds[label][last]
         assert max_abs_diff(t["anchor"], sim.anchors_before[REGION]) < 1e-7, label  # the common init
         err = max_abs_diff(t["pre"], sim.pre_round[label])
         assert err < 1e-6, (label, err)  # in practice 0: same kernels, one thread
         assert t["weight"] == H * m.train.batch_size * m.train.seq_len
 
     groups = {label: sums[label]["group_sizes"] for label in SUBS}
-    if any(g != [3] for g in groups.values()) or any(not rounds[label].get(0, {}).get("ok") for label in SUBS):
+    if any(g != [3] * n_rounds for g in groups.values()) or any(
+            not rounds[label].get(r, {}).get("ok") for label in SUBS for r in range(n_rounds)):
         pytest.fail(f"hivemind did not form one group of all 3 peers (group sizes per peer: {groups}; an overloaded "
                     "machine?), so the swarm's round is not the simulator's 3-peer round. Pre-round models (where traced) were "
                     "equal.\n" + "\n".join(f"--- {label}\n{log_tail(tmp_path, label, 8)}" for label in SUBS))
 
     # after the round: the all-reduce gave what the simulator's weighted mean gives
-    group = [rounds[label][0] for label in SUBS]
+    group = [rounds[label][last] for label in SUBS]
     assert {g["label"] for t in group for g in t["gathered"].values()} == set(SUBS)
     for label, t in zip(SUBS, group):
         err = max_abs_diff(t["post"], sim_post[label])
@@ -158,12 +166,20 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path, var
         # its personal model pre + lam (shared - pre) per part (the backbone's lam, then the key
         # layers'), each lam chosen on its tune slice as in the simulator
         mixes = results["mixes"][f"{REGION}/{label}"]
-        rec = next(m for m in mixes if m["kind"] == "region")
+        region_mixes = [m for m in mixes if m["kind"] == "region"]
+        assert len(region_mixes) == n_rounds, label
+        rec = region_mixes[last]
         assert t["mix_lam"] == pytest.approx(rec["lam"], abs=1e-6), label
+        # a search, or (the evidence budget spent) the last search's weights again: the same in both
+        assert bool(t["mix_reused"]) == bool(rec.get("reused")), label
+        if variant == "evidence-budget":
+            assert not region_mixes[0].get("reused") and rec.get("reused"), label
+            assert not rounds[label][0]["mix_reused"] and t["mix_lam"] == rounds[label][0]["mix_lam"], label
         if variant == "agreed-usage":  # the shared model is the agreed one, K included
             assert rec["lam"] == 1 and max_abs_diff(t["post"], t["agreed"]) < 1e-7, label
-        personal = next(m for m in mixes if m["kind"] == "personal")
+        personal = [m for m in mixes if m["kind"] == "personal"][last]
         assert "key_lam" in personal
+        assert bool(personal.get("reused")) == (variant == "evidence-budget"), label
         err = max_abs_diff(t["personal"], sim_personal[label])
         assert err < 1e-5, (label, err)
     if variant == "agreed-usage":

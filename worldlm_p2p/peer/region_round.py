@@ -435,7 +435,8 @@ class RegionRound:
         self.trace(f"round-{s.round:05d}", dict(ok=result.ok, weight=a.weight, pre=a.pre, anchor=a.anchor,
                                                 agreed=self.state.anchor if result.ok else None,
                                                 mix_lam=mix.lam if mix is not None else None,
-                                                mix_key_lam=mix.second_lam if mix is not None else None, current=current,
+                                                mix_key_lam=mix.second_lam if mix is not None else None,
+                                                mix_reused=mix.reused if mix is not None else None, current=current,
                                                 gathered=result.gathered, post=self.member.params(), lost=lost,
                                                 personal=self.member.personal_params()
                                                 if self.member.personal is not None else None))
