@@ -2,7 +2,7 @@
 # The quality study of the product's current defaults (benchmarks/RESULTS.md, "The defaults of
 # 2026-12-06 against training alone", issue 10), from nothing: worldlm and local with 3 seeds on the
 # five corpora at both budgets, the four baselines at both (one seed), and WorldLM's mechanisms
-# ablated at the short budget on every corpus (attention over K against a plain mean, no residual
+# ablated at the short budget on every corpus (attention over K (WorldLM's distance form) against the default plain mean, no residual
 # exchange, the paper's residual attention instead of partners; 3 seeds, then 5, 10 on mixed) and
 # at the long one on related (all three) and random (the paper's residual attention).
 # Every phase is one benchmarks/quality.py invocation on the same --workdir (each reuses the runs of
@@ -24,22 +24,22 @@ ALL=scripts,mixed,related,today,random
   $Q --budgets long --baselines "" --ablations "" --out "$W/pA1.json"
   $Q --budgets long --corpora related,random --baselines "" --ablation-corpora related,random \
      --ablations residual-world --out "$W/pA2.json"
-  $Q --budgets long --corpora related --baselines "" --ablation-corpora related --ablations K-mean,no-residual \
+  $Q --budgets long --corpora related --baselines "" --ablation-corpora related --ablations K-distance,no-residual \
      --out "$W/pA3.json"
   $Q --budgets long --baselines hierfavg,centralized --ablations "" --out "$W/pA4.json"
 ) &
 (
   # the short budget: worldlm, local and the ablations (3 seeds), the baselines, more seeds; then baselines long
-  $Q --budgets short --baselines "" --ablation-corpora $ALL --ablations K-mean,no-residual,residual-world \
+  $Q --budgets short --baselines "" --ablation-corpora $ALL --ablations K-distance,no-residual,residual-world \
      --out "$W/pB1.json"
   $Q --budgets short --ablations "" --out "$W/pB2.json"
   # more seeds where the mechanisms' ratios are small: 5 on every corpus, 10 on mixed
-  $Q --budgets short --seeds 5 --baselines "" --ablation-corpora $ALL --ablations K-mean,no-residual,residual-world \
+  $Q --budgets short --seeds 5 --baselines "" --ablation-corpora $ALL --ablations K-distance,no-residual,residual-world \
      --out "$W/pB3.json"
   $Q --budgets short --seeds 10 --corpora mixed --baselines "" --ablation-corpora mixed \
-     --ablations K-mean,no-residual,residual-world --out "$W/pB4.json"
+     --ablations K-distance,no-residual,residual-world --out "$W/pB4.json"
   $Q --budgets long --baselines fedavg,fedper --ablations "" --out "$W/pB5.json"
 ) &
 wait
 $PY benchmarks/quality.py --workdir "$W" $ROOT --report-only --baselines centralized,fedavg,hierfavg,fedper \
-   --ablation-corpora $ALL --ablations K-mean,no-residual,residual-world --out benchmarks/out/quality-defaults.json
+   --ablation-corpora $ALL --ablations K-distance,no-residual,residual-world --out benchmarks/out/quality-defaults.json

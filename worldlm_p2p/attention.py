@@ -7,7 +7,8 @@ region's last agreed key layers) and its own ``K_il``. Its score is computed loc
   distant, possibly off-distribution or poisoned contribution gets *less* weight):
   ``s_il = -||K_il - K_ref,l|| / (tau * ||K_ref,l||)``;
 - ``cosine``: ``s_il = cos(K_il, K_ref,l) / tau``;
-- ``mean``: ``s_il = 0`` (plain token-weighted mean, the ablation).
+- ``mean``: ``s_il = 0`` (plain token-weighted mean; the product's default since the quality study
+  measured the attentive forms no better on any corpus, ``benchmarks/RESULTS.md``, issue 10).
 
 Weights combine scores with token counts ``n_i``: ``a_il = n_i exp(s_il) / sum_j n_j exp(s_jl)``
 (a softmax over peers, per layer, with a token prior), and the update is

@@ -90,11 +90,12 @@ def _start_together(procs: Procs, tmp, maddrs, *, max_steps: int = H, timeout: f
 # computes: the shared model adopting the agreed model whole (K included), and K's rows weighted by
 # each member's token counts (counted by the peer from its own training text, by the simulator from
 # the same text); and the evidence budget, over two rounds: the first searches, the second (its
-# searches over budget) takes the first's weights again, in the swarm as in the simulator
+# searches over budget) takes the first's weights again, in the swarm as in the simulator, with
+# WorldLM's distance attention over K (the default K rule is the plain mean)
 VARIANTS = {
     "defaults": ("", 1),
     "agreed-usage": ('shared_model = "agreed"\nusage_rows = true', 1),
-    "evidence-budget": ("evidence_share = 0.05", 2),
+    "evidence-budget": ('evidence_share = 0.05\nattention = "distance"', 2),
 }
 
 
@@ -120,6 +121,7 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path, var
     assert m.aggregation.strategy == "worldlm" and m.train.inner_steps == H
     assert (m.aggregation.shared_model, m.aggregation.usage_rows) == (
         ("agreed", True) if variant == "agreed-usage" else ("evidence", False))
+    assert m.aggregation.attention == ("distance" if variant == "evidence-budget" else "mean")
     sim = _RecordingSimulator(SimConfig(data=str(corpus.parent), model=m.model, tokenizer=m.tokenizer, train=m.train,
                                         aggregation=m.aggregation, rounds=n_rounds, device="cpu"))
     results = sim.run()

@@ -118,15 +118,18 @@ def _members(n=3, seed=0):
 
 
 def test_payload_codecs_by_role():
-    rule = RoundRule.of(SPLIT, strategy="worldlm", compress_backbone="int8", compress_key="fp16")
+    rule = RoundRule.of(SPLIT, strategy="worldlm", compress_backbone="int8", compress_key="fp16", attention="distance")
     anchor, members = _members()
     payload = region_payload(rule, members[0], anchor)
     # backbone: embed (2048 values: int8), mlp (2048: int8); K's attention-weighted change in float32
     # (fp16 would flush small attention weights to zero); the attention denominators in float32
     assert payload_codecs(rule, payload) == ["int8", "int8", "none", "none"]
-    # with a plain mean (u = 1) K's change travels in fp16, and int8 scales each tensor to its spread
+    # with a plain mean (u = 1, the default) K's change travels in fp16, and int8 scales each tensor to its spread
+    assert payload_codecs(RoundRule.of(SPLIT, strategy="worldlm", compress_backbone="int8", compress_key="fp16"),
+                          payload) == ["int8", "int8", "fp16", "none"]
+    # per-row usage weights: float32 again (a member's prior on a token it never saw underflows fp16)
     assert payload_codecs(RoundRule.of(SPLIT, strategy="worldlm", compress_backbone="int8", compress_key="fp16",
-                                       attention="mean"), payload) == ["int8", "int8", "fp16", "none"]
+                                       usage_rows=True), payload) == ["int8", "int8", "none", "none"]
     assert payload_codecs(RoundRule.of(SPLIT, strategy="worldlm", compress_backbone="int8", compress_key="int8"),
                           payload)[2] == "int8"
     small = RoundRule.of(SPLIT, strategy="fedavg", compress_backbone="int8")
@@ -139,8 +142,9 @@ def test_attentive_key_layers_that_moved_far_are_not_flushed_to_zero_by_fp16():
     """Distance attention with tau 0.1 gives a member whose K moved by 3x its norm u = exp(-30), and
     the encoded change u (K - K_ref) is far below fp16's smallest number: in fp16 the region's K
     would stay at its anchor. The round with the default codecs equals the float32 round."""
-    rule = RoundRule.of(SPLIT, strategy="worldlm", robust="mean", compress_backbone="fp16", compress_key="fp16")
-    exact = RoundRule.of(SPLIT, strategy="worldlm", robust="mean", compress_backbone="none", compress_key="none")
+    kw = dict(strategy="worldlm", robust="mean", attention="distance", tau=0.1)
+    rule = RoundRule.of(SPLIT, compress_backbone="fp16", compress_key="fp16", **kw)
+    exact = RoundRule.of(SPLIT, compress_backbone="none", compress_key="none", **kw)
     anchor, members = _members()
     g = torch.Generator().manual_seed(1)
     for m in members:  # K moved far from the anchor

@@ -936,22 +936,24 @@ def test_a_shared_model_that_adopts_takes_the_agreed_model_and_every_world_chang
         RoundRule.of(SPLIT, shared_model="whole")
 
 
-def test_region_round_with_usage_rows_equals_the_central_rule():
+@pytest.mark.parametrize("form", ["mean", "distance"])
+def test_region_round_with_usage_rows_equals_the_central_rule(form):
     """``usage_rows``: the region's agreed key layers are the per-row attentive aggregate of the
     members' token counts (K here is the ``kv`` pair: the (2, 2) layer has 2 rows, the counts'
-    length, so its rows are weighted by them; the (2,) one too), the backbone the plain mean."""
+    length, so its rows are weighted by them; the (2,) one too), the backbone the plain mean; under
+    the default plain mean over members as under distance attention."""
     anchor, members, tokens = _region(seed=5, scale=0.3)
     usage = [T([5.0, 0.0]), T([0.0, 9.0]), None][:len(members)] + [None] * max(0, len(members) - 3)
-    rule = _exact(robust="mean", mix="none", usage_rows=True)
+    rule = _exact(robust="mean", mix="none", usage_rows=True, attention=form, tau=0.1)
     assert rule.usage_rows and not _exact(robust="mean").usage_rows
     assert not _exact(robust="mean", strategy="hierfavg", usage_rows=True).usage_rows  # K is not apart
     out, _, agreed = region_round_with_anchor(rule, members, tokens, anchor=anchor, momentum=None, usage=usage)
     want_k = attention.attentive_aggregate([SPLIT.take_key(m) for m in members], SPLIT.take_key(anchor), tokens,
-                                           form="distance", tau=0.1, usage=usage)
+                                           form=form, tau=0.1, usage=usage)
     _close(SPLIT.take_key(agreed), want_k, atol=1e-5)
     _close(SPLIT.take_backbone(agreed), weighted_mean([SPLIT.take_backbone(m) for m in members], tokens))
-    plain, _, _ = region_round_with_anchor(_exact(robust="mean", mix="none"), members, tokens, anchor=anchor,
-                                           momentum=None)
+    plain, _, _ = region_round_with_anchor(_exact(robust="mean", mix="none", attention=form, tau=0.1), members, tokens,
+                                           anchor=anchor, momentum=None)
     assert not torch.allclose(SPLIT.take_key(agreed)[0], SPLIT.take_key(plain[0])[0])  # the counts mattered
 
 

@@ -157,6 +157,12 @@ class AggregationConfig:
       (``embed_head``, the default: the token embeddings and the LM head, as DEPT localises them,
       arXiv 2410.05402; ``kv``; ``last30``) or comma-separated ``fnmatch`` patterns.
     - ``attention`` / ``tau`` / ``eps``: the K rule inside a region (:mod:`worldlm_p2p.attention`).
+      ``"mean"`` (the default since 2026-12-06's fifteenth session): the token-weighted mean, which
+      every corpus and budget of the quality study measured level with or better than WorldLM's
+      attentive ``"distance"`` form (the default before; better beyond the seed noise on the
+      held-out ``holdout`` corpus at the long budget, ``benchmarks/RESULTS.md``, issue 10), and
+      which lets K travel in fp16. ``"distance"`` and ``"cosine"`` remain options (``tau`` is
+      their temperature); ``eps`` scales the step of every form.
     - ``usage_rows``: weigh each member's rows of the token-indexed key layers (the token
       embeddings and the LM head) by how often the token occurs in its training text, so that a
       token's row takes its change from the members that use it instead of a mean diluted by those
@@ -275,7 +281,7 @@ class AggregationConfig:
 
     strategy: StrategyName = "worldlm"
     key_layers: str = "embed_head"
-    attention: AttentionForm = "distance"
+    attention: AttentionForm = "mean"
     tau: float = 0.1
     eps: float = 1.0
     usage_rows: bool = False
