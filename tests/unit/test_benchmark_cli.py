@@ -1,4 +1,5 @@
-"""The benchmark scripts refuse bad input with one line on stderr and exit status 2, before any run."""
+"""The benchmark scripts refuse bad input before any run: perf.py with one line on stderr and exit
+status 2, quality.py with a one-line sys.exit message (exit status 1)."""
 
 from __future__ import annotations
 
