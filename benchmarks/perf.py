@@ -19,7 +19,11 @@ swarm per *variant*:
   ``aggregation.evidence_share = 0.05`` (a member's evidence searches take about 5% of its compute;
   in between it takes its last weights again).
 
-and reports utilisation, round time, the share of rounds with the whole region, the time the
+A variant may end in ``+niceN`` (``overlap-tokens+nice19``): the same, with every peer's background
+work (its round threads, its hivemind and p2pd processes) at nice value N (``worldlm-peer
+--background-nice N``, :mod:`worldlm_p2p.net.priority`).
+
+It reports utilisation, round time, the share of rounds with the whole region, the time the
 training loop stood still for rounds (``seconds_in_rounds``), bytes on the wire per million training
 tokens (the kernel's counters of every process of the peer: ``wire_sent``), against the bytes a
 per-step data-parallel ring all-reduce of the same model would send (computed: ``2 (n-1)/n x 4 x
@@ -71,6 +75,15 @@ VARIANTS = {
     "no-rounds": {},
 }
 NO_ROUNDS_H = 10**6
+
+
+def split_variant(name: str) -> tuple[str, int]:
+    """``"overlap-tokens+nice19"`` -> ``("overlap-tokens", 19)``; ``ValueError`` for an unknown one."""
+    base, plus, nice = name.partition("+nice")
+    if base not in VARIANTS or (plus and not (nice.isdigit() and 0 <= int(nice) <= 19)):
+        raise ValueError(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}, each optionally with "
+                         "+niceN (N from 0 to 19), e.g. overlap-tokens+nice19")
+    return base, int(nice) if plus else 0
 #: a run during which processes other than the swarm's took more cores than this is marked as not
 #: clean (these machines are shared: a figure taken next to another job is not one of ours)
 NOISY_OTHER_CORES = 0.2
@@ -130,15 +143,17 @@ def run_swarm(args, *, model: str, regions: dict[str, int], H: int, variant: str
     n = sum(regions.values())
     shape = "+".join(str(k) for k in regions.values())
     tag = f"{model}-{shape}-{H}-{variant}{'-slow' if slow else ''}"
-    m = manifest(args, model=model, H=NO_ROUNDS_H if variant == "no-rounds" else H,
-                 run_id=f"perf-{tag}".replace(".", "_").replace("+", "x"), aggregation=VARIANTS[variant])
+    base, nice = split_variant(variant)
+    m = manifest(args, model=model, H=NO_ROUNDS_H if base == "no-rounds" else H,
+                 run_id=f"perf-{tag}".replace(".", "_").replace("+", "x"), aggregation=VARIANTS[base])
     labels = {f"{r}-{d.name}": r for r in regions for d in sorted((corpus / r).iterdir())[:regions[r]]}
     config = SwarmConfig(regions=dict(regions), data=corpus, out=tmp / tag, manifest=m, max_steps=H * args.rounds,
                          threads_per_peer=THREADS, checkpoints=False, startup_timeout=120.0, stop_timeout=30.0,
                          # every peer starts training once its region is live (start-up skew is
                          # benchmarks/swarm.py's subject, not this one's)
                          peer_args={label: ("--wait-for-peers", str(regions[r]),
-                                            *(("--slowdown", "2") if label == slow else ()))
+                                            *(("--slowdown", "2") if label == slow else ()),
+                                            *(("--background-nice", str(nice)) if nice else ()))
                                     for label, r in labels.items()})
     swarm = LocalSwarm(config=config)
     deadline = time.monotonic() + args.swarm_timeout
@@ -177,13 +192,14 @@ def run_swarm(args, *, model: str, regions: dict[str, int], H: int, variant: str
             round_seconds=p.get("round_seconds") or [], seconds_in_rounds=p.get("seconds_in_rounds"),
             world_rounds_led=p.get("world_rounds_led"), world_rounds_adopted=p.get("world_rounds_adopted"),
             wire_sent=p.get("wire_sent"), wire_received=p.get("wire_received"),
-            bytes_sent=p.get("bytes_sent")))
+            bytes_sent=p.get("bytes_sent"), valid_loss=p.get("valid_loss")))
     rs = [x for q in per_peer for x in q["round_seconds"][1:]]
     fast = [q for q in per_peer if not q["slow"]]
     wire = [q["wire_sent"] / q["tokens"] * 1e6 for q in per_peer if q.get("wire_sent") not in (None, -1)]
     return dict(model=model, peers=n, regions=dict(regions), H=H, variant=variant, slow=slow, timed_out=timed_out,
                 wall_s=t1 - t0, failed_peers=len(peers) - len(ok), per_peer=per_peer,
                 tokens_per_s_median=_median(q["tokens_per_s"] for q in fast),
+                valid_loss_median=_median(q["valid_loss"] for q in per_peer if q.get("valid_loss") is not None),
                 round_seconds_median=_median(rs), round_seconds_p90=_quantile(rs, 0.9),
                 rounds_completed_median=_median(q["rounds_completed"] for q in fast),
                 rounds_failed_total=sum(q["rounds_failed"] or 0 for q in per_peer),
@@ -272,9 +288,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--configs {item.strip()!r}: expected MODEL:PEERS:H with whole numbers, e.g. tiny:2:10")
             specs.append((parts[0].strip(), int(parts[1]), int(parts[2])))
         variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-        bad = [v for v in variants if v not in VARIANTS]
-        if bad or not variants:
-            raise ValueError(f"unknown variant(s) {bad}: choose from {', '.join(VARIANTS)}")
+        if not variants:
+            raise ValueError(f"--variants: none given; choose from {', '.join(VARIANTS)}")
+        for v in variants:
+            split_variant(v)
         if any(n < 2 or n > 18 or H < 1 for _, n, H in specs) or args.rounds < 2:
             raise ValueError("peers must be 2..18, H >= 1, --rounds >= 2")
         scale = None
@@ -288,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         for model, _, H in specs:
             model_preset(model)
             for v in variants:
-                manifest(args, model=model, H=H, run_id="check", aggregation=VARIANTS[v])
+                manifest(args, model=model, H=H, run_id="check", aggregation=VARIANTS[split_variant(v)[0]])
     except Exception as e:
         print(f"perf.py: error: {e}", file=sys.stderr)
         return 2
@@ -382,8 +399,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         "| model | peers | H | variant | **utilisation** | tok/s per peer (alone at once) | rounds | full groups | "
         "round s, median (p90) | training stood still s | wire MB sent per 1M tokens | x fewer than per-step DP | "
-        "cores: training / hivemind / p2pd / bootstrap |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "cores: training / hivemind / p2pd / bootstrap | held-out loss, median |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in result["runs"]:
         c = (r.get("cpu") or {}).get("cores_by_kind", {})
@@ -398,7 +415,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"{_fmt(r['wire_sent_per_mtok_median'] and r['wire_sent_per_mtok_median'] / 1e6, '.1f')} | "
             f"{_fmt(r['fewer_than_data_parallel'], '.0f')} | "
             f"{_fmt(c.get('trainer'))} / {_fmt(c.get('hivemind_children'))} / {_fmt(c.get('p2pd'))} / "
-            f"{_fmt(c.get('bootstrap'))} |")
+            f"{_fmt(c.get('bootstrap'))} | {_fmt(r.get('valid_loss_median'), '.4f')} |")
     for r in result["runs"]:
         if len(r.get("regions") or {}) > 1:
             lines += ["", f"{len(r['regions'])} regions of {r['peers'] // len(r['regions'])} peers: region rounds "

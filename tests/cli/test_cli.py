@@ -61,6 +61,10 @@ def boot(tmp_path_factory):
      ["/nonexistent.toml"]),
     (["--region", "eu", "--data", DATA, "--initial-peers", NOBODY, "--reachability", "relay"],
      ["--reachability", "relay"]),
+    (["--region", "eu", "--data", DATA, "--initial-peers", NOBODY, "--background-nice", "20"],
+     ["background_nice", "0", "19"]),
+    (["--region", "eu", "--data", DATA, "--initial-peers", NOBODY, "--background-nice", "low"],
+     ["--background-nice", "low"]),
 ])
 def test_peer_bad_input_fails_fast_with_one_line(argv, needles):
     code, _, err = run(PEER + argv)

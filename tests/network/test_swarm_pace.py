@@ -2,16 +2,43 @@
 
 A region round is due when the region has trained H steps' worth of tokens per member, whatever
 each member's speed: a member twice as slow neither stalls the fast one nor is left out of rounds,
-and each contributes what it trained, weighted by its tokens.
+and each contributes what it trained, weighted by its tokens. The slow member runs its background
+work at a lower CPU priority (``--background-nice``): its rounds' threads and its hivemind and p2pd
+processes, never its training thread.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
 from swarm_utils import log_tail, start_bootstrap, start_peer, summary, traces, wait_for
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
+
+
+def _tree_nice(pid: int) -> dict[int, int]:
+    """The nice value of every thread of ``pid``'s descendants (not of ``pid`` itself)."""
+    kids = [int(d.parent.name) for d in Path("/proc").glob("[0-9]*/stat")
+            if (t := _read(d)) and t[t.rfind(")") + 2:].split()[1] == str(pid)]
+    out = {}
+    for k in kids:
+        for t in Path(f"/proc/{k}/task").glob("*"):
+            try:
+                out[int(t.name)] = os.getpriority(os.PRIO_PROCESS, int(t.name))
+            except OSError:
+                pass
+        out.update(_tree_nice(k))
+    return out
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def test_a_peer_twice_as_slow_neither_stalls_the_other_nor_is_left_out(procs, tmp_path):
@@ -23,7 +50,16 @@ def test_a_peer_twice_as_slow_neither_stalls_the_other_nor_is_left_out(procs, tm
     fast = start_peer(procs, tmp_path, maddrs, region="eu", sub="de_news-reviews-wiki", label="fast", max_steps=80,
                       extra=["--wait-for-peers", "2", "--slowdown", "4"])
     slow = start_peer(procs, tmp_path, maddrs, region="eu", sub="es_blog-news-reviews-wiki", label="slow",
-                      max_steps=80, extra=["--wait-for-peers", "2", "--slowdown", "8"])
+                      max_steps=80, extra=["--wait-for-peers", "2", "--slowdown", "8", "--background-nice", "7"])
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    wait_for(lambda: slow.poll() is not None or "runs at nice 7" in (tmp_path / "logs" / "slow.log").read_text(),
+             120, "the slow peer to lower its background work")
+    assert slow.poll() is None, log_tail(tmp_path, "slow")
+    # its training thread keeps its priority; every thread of the processes it started (the DHT and
+    # its p2pd, the averager) runs at nice 7
+    assert os.getpriority(os.PRIO_PROCESS, slow.pid) == base
+    niced = _tree_nice(slow.pid)
+    assert len(niced) >= 3 and set(niced.values()) == {base + 7}, niced
     for p, label in ((fast, "fast"), (slow, "slow")):
         wait_for(lambda p=p: p.poll() is not None, 300, f"{label} to finish")
         assert p.returncode == 0, f"{label} exited {p.returncode}:\n{log_tail(tmp_path, label)}"
@@ -49,3 +85,7 @@ def test_a_peer_twice_as_slow_neither_stalls_the_other_nor_is_left_out(procs, tm
                            if any(m["label"] == "fast" for m in t["gathered"].values()))
     assert slow_at_fast_end < 65, slow_at_fast_end
     assert s_fast["rounds_completed"] >= 3 and s_slow["rounds_completed"] >= 3
+    # the rounds' network parts ran in threads at the slow member's background priority, and at the
+    # training's own in the fast one
+    assert {t["nice"] for t in traces(tmp_path, "slow").values()} == {base + 7}
+    assert {t["nice"] for t in traces(tmp_path, "fast").values()} == {base}

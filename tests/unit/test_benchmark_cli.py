@@ -28,6 +28,21 @@ def test_perf_refuses_bad_configs(configs, capsys):
     assert err.startswith("perf.py: error: ") and "\n" not in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("variants", ["nosuch", "overlap+nice20", "overlap+nicex", "overlap+nice", ",", "sync,nosuch+nice3"])
+def test_perf_refuses_bad_variants(variants, capsys):
+    perf = _load("perf")
+    assert perf.main(["--configs", "tiny:2:10", "--variants", variants]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("perf.py: error: ") and "\n" not in err and "Traceback" not in err
+
+
+def test_perf_variant_names_split_into_settings_and_a_nice_value():
+    perf = _load("perf")
+    assert perf.split_variant("overlap-tokens") == ("overlap-tokens", 0)
+    assert perf.split_variant("overlap-tokens-ev5+nice10") == ("overlap-tokens-ev5", 10)
+    assert perf.split_variant("sync+nice0") == ("sync", 0)
+
+
 @pytest.mark.parametrize("argv", [["--corpora", "nosuch"], ["--ablation-corpora", "nosuch"], ["--ablations", "nosuch"],
                                   ["--baselines", "nosuch"], ["--budgets", "short,middle"], ["--report-only"]])
 def test_quality_refuses_bad_input(argv, tmp_path):

@@ -27,6 +27,7 @@ _PEER_KEYS = {
     "checkpoint_dir": str, "checkpoint_every": int, "threads": int, "initial_peers": list, "host_maddrs": list,
     "announce_maddrs": list, "identity": str, "summary": str, "manifest_wait": float, "trace_dir": str, "events": str, "certificate": str,
     "wait_for_peers": int, "run_key": str, "privacy": dict, "reachability": str, "slowdown": float,
+    "background_nice": int,
 }
 
 
@@ -72,6 +73,11 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--slowdown", type=float, metavar="F",
                    help="emulate a device F times slower (experiments with peers of different speeds): sleep "
                         "(F - 1) times each step's duration after it (default 1)")
+    p.add_argument("--background-nice", type=int, metavar="N",
+                   help="CPU priority of this peer's rounds and of its hivemind and p2pd processes, as a nice "
+                        "value from 0 (the training's priority) to 19 (the lowest): with N > 0 rounds take the "
+                        "cycles training leaves, so on a CPU whose cores all train they land later and training "
+                        "keeps its speed (default 0)")
     p.add_argument("--trace-dir", metavar="DIR", help=argparse_suppress())
     add_flags(p.add_argument_group("differential privacy (the region's policy: [peer.privacy] in its profile)"),
               {"privacy": PrivacyConfig}, PRIVACY_FLAGS)
@@ -157,7 +163,8 @@ def make_config(args) -> PeerConfig:
     )
     for key, name in (("device", "device"), ("checkpoint_every", "checkpoint_every"),
                       ("manifest_wait", "manifest_wait"), ("wait_for_peers", "wait_for_peers"),
-                      ("run_key", "run_key"), ("slowdown", "slowdown")):
+                      ("run_key", "run_key"), ("slowdown", "slowdown"),
+                      ("background_nice", "background_nice")):
         if peer.get(key) is not None:
             kwargs[name] = peer[key]
     config = PeerConfig(**kwargs)

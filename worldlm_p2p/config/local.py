@@ -145,9 +145,15 @@ class PeerConfig:
     # emulate a device this many times slower (experiments with peers of different speeds): after
     # each step the peer sleeps (slowdown - 1) times the step's duration; 1: full speed
     slowdown: float = 1.0
+    # CPU priority (a nice value, 0-19) of the peer's background work: its round threads and the
+    # hivemind and p2pd processes (worldlm_p2p.net.priority); 0: the training's own priority
+    background_nice: int = 0
 
     def __post_init__(self) -> None:
         check_name("region", self.region)
+        _require(not isinstance(self.background_nice, bool) and isinstance(self.background_nice, int)
+                 and 0 <= self.background_nice <= 19, "background_nice",
+                 "must be an integer from 0 (the training's priority) to 19 (the lowest)")
         _require(isinstance(self.slowdown, (int, float)) and not isinstance(self.slowdown, bool)
                  and math.isfinite(self.slowdown) and 1 <= self.slowdown <= 100, "slowdown",
                  "must be a number from 1 (full speed) to 100")

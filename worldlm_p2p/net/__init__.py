@@ -5,6 +5,7 @@
 - ``admission``: region keys, peer certificates, and the check a member makes of the others' records.
 - ``dht``: multiaddr validation, identity files, joining the DHT with bounded retries.
 - ``reachability``: the dial-back check a peer asks of its bootstrap nodes at start.
+- ``priority``: the CPU priority of a peer's background work (round threads, hivemind and p2pd).
 - ``wire``: bytes on the wire, measured from the kernel's TCP counters of a peer's processes.
 - ``records``: signed, schema-validated DHT records (run manifests, peer progress, leader leases).
 - ``schemas``: the wire schemas every DHT node checks before storing, and the validators.

@@ -23,6 +23,7 @@ from worldlm_p2p.codec import json_safe
 from worldlm_p2p.config import PeerConfig, RunManifest
 from worldlm_p2p.errors import CheckpointWriteError
 from worldlm_p2p.net import barrier
+from worldlm_p2p.net import priority
 from worldlm_p2p.net.averaging import RegionAverager
 from worldlm_p2p.net.keys import ALL_REGIONS
 from worldlm_p2p import compression, rounds
@@ -163,7 +164,7 @@ class Peer:
             payload_bytes=sum(compression.nominal_bytes(t.numel(), c)
                               for t, c in zip(template, codecs or ["none"] * len(template))),
             fetch_others=others, publish=progress.publish,
-            stopping=self._stop.is_set, trace=self._trace, events=self.events,
+            stopping=self._stop.is_set, trace=self._trace, events=self.events, background_nice=cfg.background_nice,
             before_average=(lambda: world.maybe_adopt(fetch=not m.aggregation.overlap)) if world else lambda: None,
             in_flight_fetch=(lambda: world.prefetch() and None) if world and m.aggregation.overlap else lambda: None,
             on_averaged=(lambda result: (world.heard(result.gathered), world.count(gathered_tokens(result))))
@@ -174,6 +175,10 @@ class Peer:
             relays=(lambda: progress.relays(ALL_REGIONS if self.rule.world_group else cfg.region))
             if net.outbound else lambda: [])
         progress.start()
+        if cfg.background_nice:  # the DHT and its p2pd, the averagers: started by now
+            n = priority.lower_children(cfg.background_nice)
+            logger.info("background work (round threads, %d threads of hivemind and p2pd processes) runs at nice %d",
+                        n, cfg.background_nice)
 
     def _region_of_one(self, no_live_peer: bool) -> None:
         """A region whose only live peer is this one still takes part in world rounds: its model is

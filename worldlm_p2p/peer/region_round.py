@@ -40,7 +40,7 @@ import torch
 from worldlm_p2p import aggregation, rounds
 from worldlm_p2p.codec import state_digest
 from worldlm_p2p.config import AveragingConfig
-from worldlm_p2p.net import barrier
+from worldlm_p2p.net import barrier, priority
 from worldlm_p2p.net.averaging import RegionAverager, RoundResult
 
 from worldlm_p2p.peer.events import EventLog
@@ -93,6 +93,8 @@ class _Flight:
     # the member's last region choice to take again, when its evidence budget had no search due at
     # the snapshot (aggregation.evidence_share)
     reuse: Any = None
+    # the CPU priority (nice value) of the thread that ran the round's network part (the audit trail)
+    nice: int | None = None
 
 
 class Strikes:
@@ -124,7 +126,7 @@ class RegionRound:
                  on_alone: Callable[[bool], None], on_refresh: Callable[[int, str], None], events: EventLog,
                  admitted: Callable[[], set[str] | None] = lambda: None, banned: set[str] | None = None,
                  outbound: bool = False, in_flight_fetch: Callable[[], None] = lambda: None,
-                 relays: Callable[[], list[str]] = lambda: []) -> None:
+                 relays: Callable[[], list[str]] = lambda: [], background_nice: int = 0) -> None:
         """``before_average()``: world changes due are adopted there (main thread);
         ``in_flight_fetch()``: on the round's network path, before the barrier (a world change the
         leader announced is downloaded there); ``on_averaged(result)``: counts
@@ -135,7 +137,9 @@ class RegionRound:
         ``admitted()``: the peers this one may average with (None: an open region); ``banned``: the
         set of banned peers, which this round adds to (shared with the barrier's record reader);
         ``outbound``: this peer is outbound-only (a round needs a member others can dial, or a relay:
-        ``relays()``, the endorsed relays that serve the region now, :mod:`worldlm_p2p.peer.relay`)."""
+        ``relays()``, the endorsed relays that serve the region now, :mod:`worldlm_p2p.peer.relay`);
+        ``background_nice``: an overlapped round's thread runs at this nice value
+        (:mod:`worldlm_p2p.net.priority`; a synchronous round runs in the training thread, as it is)."""
         self.rule, self.averaging, self.averager = rule, averaging, averager
         self.state, self.stats, self.member, self.server = state, stats, member, server
         self.region, self.label, self.started, self.payload_bytes = region, label, started, payload_bytes
@@ -150,6 +154,7 @@ class RegionRound:
         self._concluding = False  # inside _conclude: the round's index is not counted past yet
         self.in_flight_fetch = in_flight_fetch
         self.relays = relays
+        self.background_nice = background_nice
 
     def run(self) -> Outcome:
         """A synchronous round: training waits for it (``aggregation.overlap`` off)."""
@@ -168,10 +173,15 @@ class RegionRound:
         flight = self._snapshot()
         flight.loss_of = self.member.background_loss_of() if self.rule.evidence else None
         flight.reuse = self.member.reuse_for("region") if self.rule.evidence else None
-        flight.thread = threading.Thread(target=self._fly, args=(flight,), name=f"region-round-{self.stats.round}",
+        flight.thread = threading.Thread(target=self._fly_in_background, args=(flight,),
+                                         name=f"region-round-{self.stats.round}",
                                          daemon=True)
         self._flight = flight
         flight.thread.start()
+
+    def _fly_in_background(self, flight: _Flight) -> None:
+        priority.lower_this_thread(self.background_nice)
+        self._fly(flight)
 
     def finish(self) -> Outcome | None:
         """Wait for the round in flight and apply it, one round stale: its result for the snapshot
@@ -218,6 +228,7 @@ class RegionRound:
         the model is not touched); everything else waits for :meth:`_conclude`."""
         try:
             s = self.stats
+            flight.nice = priority.thread_nice()
             self.in_flight_fetch()
 
             def announce(r: int) -> None:
@@ -302,7 +313,7 @@ class RegionRound:
         since = s.tokens_since_round - flight.tokens  # trained while the round was in flight
         outcome = self.apply(averaged, expected=decision.waiting + 1 if decision is not None else None,
                              current=self.member.params() if flight.thread is not None else None,
-                             mixed=flight.mixed)
+                             mixed=flight.mixed, nice=flight.nice)
         if averaged.result.ok:
             s.tokens_since_round = since
         self._failed_last = outcome is Outcome.FAILED
@@ -381,12 +392,13 @@ class RegionRound:
 
     # ------------------------------------------------------------------ step 3: apply
     def apply(self, a: Averaged, *, expected: int | None = None, current: list[torch.Tensor] | None = None,
-              mixed: tuple | None = None) -> Outcome:
+              mixed: tuple | None = None, nice: int | None = None) -> Outcome:
         """``expected``: the peers (this one included) that waited for the round at the barrier; a
         smaller group, or a sender dropped by this peer's reducer, makes the round partial.
         ``current``: the member's model now, for an overlapped round computed on the snapshot
         ``a.pre`` (None: a synchronous round, the model is ``a.pre``). ``mixed``: the evidence search's
-        (next model, choice), when the round's thread made it already."""
+        (next model, choice), when the round's thread made it already. ``nice``: the CPU priority the
+        round's network part ran at (recorded in the audit trail)."""
         s, result = self.stats, a.result
         lost = lost_parts(group_size=result.group_size, expected=expected, target=self.averaging.target_group_size,
                           dropped=result.report.dropped) if result.ok else []
@@ -437,6 +449,7 @@ class RegionRound:
                                                 mix_lam=mix.lam if mix is not None else None,
                                                 mix_key_lam=mix.second_lam if mix is not None else None,
                                                 mix_reused=mix.reused if mix is not None else None, current=current,
+                                                nice=nice,
                                                 gathered=result.gathered, post=self.member.params(), lost=lost,
                                                 personal=self.member.personal_params()
                                                 if self.member.personal is not None else None))

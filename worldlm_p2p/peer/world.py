@@ -23,6 +23,7 @@ import torch
 from worldlm_p2p import rounds
 from worldlm_p2p.codec import WorldChange
 from worldlm_p2p.config import PeerConfig, RunManifest
+from worldlm_p2p.net import priority
 from worldlm_p2p.net.leader import LeaderLease, elect_live
 
 from worldlm_p2p.peer.events import EventLog
@@ -138,6 +139,7 @@ class WorldRounds:
                                            run_id=m.run_id, region=self.config.region, peer_id=self.peer_id,
                                            fingerprint=m.fingerprint(), rule=self.rule, averaging=m.averaging,
                                            template=snapshot)
+            priority.lower_process_tree(self._exchange.averager.pid, self.config.background_nice)
         if self._run_admitted is not None:  # the leaders' group: only peers admitted to their regions
             self._exchange.averager.set_admitted(set(self._run_admitted))
         tokens = self.tokens_since_world
@@ -168,6 +170,7 @@ class WorldRounds:
     def _run(self, w: int, snapshot: list[torch.Tensor], tokens: float, sent: list[torch.Tensor] | None,
              released: dict[str, Any]) -> None:
         """The world-round thread: reads only its arguments, writes only :attr:`_finished`."""
+        priority.lower_this_thread(self.config.background_nice)
         lease = self.lease
         try:
             out = self._exchange.run(world_round=w, region_model=snapshot, tokens=tokens, sent=sent,
