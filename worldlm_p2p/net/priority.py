@@ -37,14 +37,11 @@ def _warn_once(what: str, e: OSError) -> None:
                e.strerror or e)
 
 
-def _lower(tid: int, nice: int) -> bool:
+def _lower(tid: int, nice: int) -> None:
     """Set thread (Linux) or process ``tid``'s nice value to ``nice`` unless it is already at least
-    that (a raise only: never needs a privilege). True if it is at ``nice`` or above afterwards."""
-    current = os.getpriority(os.PRIO_PROCESS, tid)
-    if current >= nice:
-        return True
-    os.setpriority(os.PRIO_PROCESS, tid, nice)
-    return True
+    that (a raise only: never needs a privilege)."""
+    if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
 def lower_this_thread(nice: int) -> None:
@@ -108,7 +105,8 @@ def lower_process_tree(pid: int, nice: int, *, what: str = "a background process
             continue
         for tid in tids:
             try:
-                done += _lower(tid, nice)
+                _lower(tid, nice)
+                done += 1
             except ProcessLookupError:
                 continue
             except OSError as e:
@@ -123,4 +121,3 @@ def lower_children(nice: int) -> int:
     if nice <= 0 or not sys.platform.startswith("linux"):
         return 0
     return sum(lower_process_tree(child, nice) for child in _children(os.getpid()))
-

@@ -22,8 +22,7 @@ import torch
 from worldlm_p2p.codec import json_safe
 from worldlm_p2p.config import PeerConfig, RunManifest
 from worldlm_p2p.errors import CheckpointWriteError
-from worldlm_p2p.net import barrier
-from worldlm_p2p.net import priority
+from worldlm_p2p.net import barrier, priority
 from worldlm_p2p.net.averaging import RegionAverager
 from worldlm_p2p.net.keys import ALL_REGIONS
 from worldlm_p2p import compression, rounds
