@@ -74,10 +74,10 @@ def build_parser() -> ArgumentParser:
                    help="emulate a device F times slower (experiments with peers of different speeds): sleep "
                         "(F - 1) times each step's duration after it (default 1)")
     p.add_argument("--background-nice", type=int, metavar="N",
-                   help="CPU priority of this peer's rounds and of its hivemind and p2pd processes, as a nice "
-                        "value from 0 (the training's priority) to 19 (the lowest): with N > 0 rounds take the "
-                        "cycles training leaves, so on a CPU whose cores all train they land later and training "
-                        "keeps its speed (default 0)")
+                   help="CPU priority of this peer's round threads, as a nice value from 0 (the training's "
+                        "priority) to 19 (the lowest): with N > 0 rounds take the cycles training leaves, so on a "
+                        "CPU whose cores all train they land later and training keeps its speed; the hivemind "
+                        "and p2pd processes keep the peer's priority (default 0)")
     p.add_argument("--trace-dir", metavar="DIR", help=argparse_suppress())
     add_flags(p.add_argument_group("differential privacy (the region's policy: [peer.privacy] in its profile)"),
               {"privacy": PrivacyConfig}, PRIVACY_FLAGS)

@@ -145,8 +145,8 @@ class PeerConfig:
     # emulate a device this many times slower (experiments with peers of different speeds): after
     # each step the peer sleeps (slowdown - 1) times the step's duration; 1: full speed
     slowdown: float = 1.0
-    # CPU priority (a nice value, 0-19) of the peer's background work: its round threads and the
-    # hivemind and p2pd processes (worldlm_p2p.net.priority); 0: the training's own priority
+    # CPU priority (a nice value, 0-19) of the peer's round threads (worldlm_p2p.net.priority; the
+    # hivemind and p2pd processes keep the peer's own); 0: the training's own priority
     background_nice: int = 0
 
     def __post_init__(self) -> None:

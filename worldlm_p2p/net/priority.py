@@ -1,19 +1,25 @@
-"""CPU priority of a peer's background work: its round threads, and the hivemind and p2pd processes.
+"""CPU priority of a peer's background work: the threads of its region and world rounds.
 
 A peer's rounds overlap with its training (``aggregation.overlap``), but on a machine whose cores
-all train (a CPU peer, or several peers on one machine) the round's work (the all-reduce in the
-averager process, the DHT and p2pd, the payload's encoding and the evidence search in the round's
-thread) takes its CPU from training. With a background nice value ``n > 0`` (``worldlm-peer
---background-nice n``) that work runs at a lower priority than the training thread: the kernel gives
-it the cycles training leaves, and a share of about ``w(n) / (w(0) + w(n))`` of a contended core
-otherwise (Linux CFS weights: 1024 at nice 0, 110 at 10, 15 at 19), so rounds take longer when the
-cores are busy and training keeps its speed. On a GPU peer the cores are mostly free and rounds run
-as fast as at nice 0.
+all train (a CPU peer, or several peers on one machine) the round's work in the peer's own process
+(the payload's encoding, the evidence search on the member's tune slice, the stale application's
+preparation, the all-reduce's client side) takes its CPU from training. With a background nice
+value ``n > 0`` (``worldlm-peer --background-nice n``) the round threads run at a lower priority
+than the training thread: the kernel gives them the cycles training leaves, and a share of about
+``w(n) / (w(0) + w(n))`` of a contended core otherwise (Linux CFS weights: 1024 at nice 0, 110 at
+10, 15 at 19), so rounds take longer when the cores are busy and training keeps its speed. On a GPU
+peer the cores are mostly free and rounds run as fast as at nice 0.
 
-On Linux a nice value belongs to a thread (``setpriority(PRIO_PROCESS, tid)``) and new threads and
-child processes inherit their creator's, so lowering every thread of a process tree once, right
-after it starts, covers the threads and processes it makes later. Raising a nice value needs no
-privilege; lowering it again does, so nothing here ever lowers one.
+The hivemind processes (the DHT and its p2pd, the averagers) keep the peer's priority: they serve
+the whole swarm (DHT lookups, matchmaking, the other members' all-reduce parts), and at a low
+priority next to busy training processes they answer too late for a group to form. Measured
+(``benchmarks/RESULTS.md``, issue 14): with them lowered too, 16 peers in 4 regions on 2 cores held
+no whole region in any round, against every group whole with the threads alone lowered, which buy
+as much of the training's speed in regions of 2 and 4.
+
+On Linux a nice value belongs to a thread (``setpriority(PRIO_PROCESS, tid)``); raising it needs no
+privilege, lowering it again does, so nothing here ever lowers one. Elsewhere a nice value belongs
+to the whole process, and nothing is changed (it would slow the training thread too).
 """
 
 from __future__ import annotations
@@ -22,11 +28,9 @@ import logging
 import os
 import sys
 import threading
-from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-MAX_NICE = 19
 _warned: set[str] = set()
 
 
@@ -63,61 +67,3 @@ def thread_nice() -> int | None:
         return os.getpriority(os.PRIO_PROCESS, tid)
     except OSError:
         return None
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (Linux /proc)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:  # it ended meanwhile
-            continue
-        # the command name, in parentheses, may itself hold spaces and parentheses
-        fields = text[text.rfind(")") + 2:].split()
-        if len(fields) > 1 and fields[1] == str(pid):
-            out.append(int(stat.parent.name))
-    return out
-
-
-def lower_process_tree(pid: int, nice: int, *, what: str = "a background process") -> int:
-    """Lower every thread of process ``pid`` and of its descendants to nice value ``nice`` (0: do
-    nothing); return how many threads were set or already there. A process or thread that ends
-    meanwhile is skipped; one this user may not change is logged once and skipped."""
-    if nice <= 0:
-        return 0
-    if not sys.platform.startswith("linux"):  # a nice value per process
-        try:
-            _lower(pid, nice)
-            return 1
-        except OSError as e:
-            _warn_once(what, e)
-            return 0
-    done, seen, todo = 0, set(), [pid]
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        try:
-            tids = [int(t.name) for t in Path(f"/proc/{p}/task").iterdir()]
-        except OSError:  # the process ended
-            continue
-        for tid in tids:
-            try:
-                _lower(tid, nice)
-                done += 1
-            except ProcessLookupError:
-                continue
-            except OSError as e:
-                _warn_once(what, e)
-        todo.extend(_children(p))
-    return done
-
-
-def lower_children(nice: int) -> int:
-    """Lower every process this one started (the hivemind DHT and its p2pd, the averagers), with
-    their threads and descendants, to nice value ``nice``; return how many threads."""
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return 0
-    return sum(lower_process_tree(child, nice) for child in _children(os.getpid()))

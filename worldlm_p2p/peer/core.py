@@ -22,7 +22,7 @@ import torch
 from worldlm_p2p.codec import json_safe
 from worldlm_p2p.config import PeerConfig, RunManifest
 from worldlm_p2p.errors import CheckpointWriteError
-from worldlm_p2p.net import barrier, priority
+from worldlm_p2p.net import barrier
 from worldlm_p2p.net.averaging import RegionAverager
 from worldlm_p2p.net.keys import ALL_REGIONS
 from worldlm_p2p import compression, rounds
@@ -174,10 +174,9 @@ class Peer:
             relays=(lambda: progress.relays(ALL_REGIONS if self.rule.world_group else cfg.region))
             if net.outbound else lambda: [])
         progress.start()
-        if cfg.background_nice:  # the DHT and its p2pd, the averagers: started by now
-            n = priority.lower_children(cfg.background_nice)
-            logger.info("background work (round threads, %d threads of hivemind and p2pd processes) runs at nice %d",
-                        n, cfg.background_nice)
+        if cfg.background_nice:
+            logger.info("round threads run at nice %d (the hivemind and p2pd processes keep this peer's priority)",
+                        cfg.background_nice)
 
     def _region_of_one(self, no_live_peer: bool) -> None:
         """A region whose only live peer is this one still takes part in world rounds: its model is

@@ -139,7 +139,6 @@ class WorldRounds:
                                            run_id=m.run_id, region=self.config.region, peer_id=self.peer_id,
                                            fingerprint=m.fingerprint(), rule=self.rule, averaging=m.averaging,
                                            template=snapshot)
-            priority.lower_process_tree(self._exchange.averager.pid, self.config.background_nice)
         if self._run_admitted is not None:  # the leaders' group: only peers admitted to their regions
             self._exchange.averager.set_admitted(set(self._run_admitted))
         tokens = self.tokens_since_world
