@@ -172,6 +172,26 @@ def test_get_and_set_params() -> None:
         set_params(model, [torch.zeros(1)] + flat[1:])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs CUDA (runs on a GPU machine)")
+def test_a_cuda_models_params_travel_through_pinned_host_memory() -> None:
+    model = build_model(SMALL, vocab_size=259, seed=0).to("cuda")
+    flat = get_flat_params(model)
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in flat)
+    assert all(torch.equal(t, p.detach().cpu()) for t, p in zip(flat, model.parameters(), strict=True))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert not torch.equal(flat[0], next(model.parameters()).detach().cpu())  # a snapshot, not a view
+    set_params(model, flat)  # from pinned memory
+    assert all(torch.equal(t, p.detach().cpu()) for t, p in zip(flat, model.parameters(), strict=True))
+    pageable = [torch.full_like(t, 0.25, pin_memory=False) for t in flat]
+    assert not pageable[0].is_pinned()
+    set_params(model, pageable)  # staged through pinned memory, asynchronously, then waited for
+    for t in pageable:  # what the caller does with its tensors afterwards does not reach the model
+        t.fill_(9.0)
+    assert all(bool((p == 0.25).all()) for p in model.parameters())
+
+
 def test_non_finite_loss_skips_the_update(demo_tokens: TokenData) -> None:
     trainer = _trainer(demo_tokens)
     with torch.no_grad():

@@ -368,8 +368,21 @@ def _cpu_copy(obj: Any) -> Any:
 
 def get_flat_params(model: torch.nn.Module) -> list[torch.Tensor]:
     """Detached CPU copies of ``model.parameters()`` in order (one tensor per parameter, original
-    shapes; tied weights appear once)."""
-    return [p.detach().to("cpu", copy=True) for p in model.parameters()]
+    shapes; tied weights appear once).
+
+    From a CUDA model the copies land in pinned (page-locked) host memory, taken from PyTorch's
+    caching host allocator, which reuses the blocks of earlier snapshots: every tensor is copied
+    asynchronously and the stream is waited on once, instead of one blocking copy through a
+    staging buffer per tensor (the copies a round's snapshot, evidence search and state serving
+    make)."""
+    params = [p.detach() for p in model.parameters()]
+    if params and params[0].is_cuda:
+        out = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in params]
+        for o, p in zip(out, params):
+            o.copy_(p, non_blocking=True)
+        torch.cuda.current_stream(params[0].device).synchronize()
+        return out
+    return [p.to("cpu", copy=True) for p in params]
 
 
 @torch.no_grad()
@@ -383,5 +396,11 @@ def set_params(model: torch.nn.Module, tensors: Sequence[torch.Tensor] | Iterabl
     for i, (p, t) in enumerate(zip(params, tensors, strict=True)):
         if tuple(t.shape) != tuple(p.shape):
             raise ValueError(f"set_params: tensor {i} has shape {tuple(t.shape)}, parameter has {tuple(p.shape)}")
+    cuda = bool(params) and params[0].is_cuda
     for p, t in zip(params, tensors, strict=True):
-        p.copy_(t)
+        if cuda and t.device.type == "cpu":  # through pinned memory: asynchronous, one wait below
+            p.copy_(t if t.is_pinned() else t.pin_memory(), non_blocking=True)
+        else:
+            p.copy_(t)
+    if cuda:  # (the host tensors may change once this returns)
+        torch.cuda.current_stream(params[0].device).synchronize()
