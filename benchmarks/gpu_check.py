@@ -4,8 +4,9 @@
 1. **Presets alone.** For each preset (default ``small`` and ``base``) the trainer a peer builds
    (:func:`worldlm_p2p.peer.joining.build_local`: bf16 autocast on CUDA) trains ``--steps`` steps
    on the bundled demo data after ``--warmup`` steps: tokens/s (steady: from the first timed step,
-   synchronised), peak GPU memory (``torch.cuda.max_memory_allocated``) and the loss before and
-   after (it must fall).
+   synchronised), peak GPU memory (``torch.cuda.max_memory_allocated``), the loss before and
+   after (it must fall), and how long a copy of the model to the host and back takes, as a round
+   makes it (pinned host memory on CUDA) and as plain per-tensor copies.
 2. **A 2-peer region on one GPU.** ``worldlm-bootstrap`` and two ``worldlm-peer`` processes
    (:class:`worldlm_p2p.swarm.LocalSwarm`, ``--device`` for both) of ``--swarm-preset`` for
    ``--swarm-steps`` steps with H = ``--inner-steps``: each peer's tokens/s, its rounds and the
@@ -48,6 +49,41 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def copy_times(model, repeats: int = 5) -> dict:
+    """Seconds (median of ``repeats``) to copy the model's parameters to the host and back as a round
+    does (:func:`~worldlm_p2p.train.get_flat_params`, :func:`~worldlm_p2p.train.set_params`: through
+    pinned host memory on CUDA, one wait per copy of the model) and as plain per-tensor copies
+    through pageable memory (what the product did before)."""
+    import torch
+
+    from worldlm_p2p.train import get_flat_params, set_params
+
+    params = list(model.parameters())
+    device = params[0].device
+
+    def timed(fn) -> float:
+        seconds = []
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            seconds.append(time.perf_counter() - t0)
+        return statistics.median(seconds)
+
+    snapshot = get_flat_params(model)
+    plain = [p.detach().to("cpu", copy=True) for p in params]
+
+    @torch.no_grad()
+    def plain_set() -> None:
+        for p, t in zip(params, plain):
+            p.copy_(t)
+
+    return dict(to_host_s=timed(lambda: get_flat_params(model)),
+                to_host_plain_s=timed(lambda: [p.detach().to("cpu", copy=True) for p in params]),
+                to_device_s=timed(lambda: set_params(model, snapshot)), to_device_plain_s=timed(plain_set))
+
+
 def train_alone(preset: str, args) -> dict:
     """The preset trained alone twice from the same start: steps that read their loss back (the
     synchronous step) and deferred steps (``train_step(defer=True)``, the peer's on CUDA: no
@@ -83,6 +119,8 @@ def train_alone(preset: str, args) -> dict:
         out[mode] = dict(seconds=seconds, tokens_per_s=tokens / seconds,
                          peak_memory_gib=(torch.cuda.max_memory_allocated(device) / 2 ** 30
                                           if device.type == "cuda" else None))
+        if defer:
+            out["copies"] = copy_times(local.model)
         del local, trainer
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -146,14 +184,17 @@ def main() -> None:
     lines = [f"GPU check on {result['gpu'] or 'cpu'} (torch {torch.__version__}), batch {args.batch_size} x "
              f"{args.seq_len}", "",
              "| preset | parameters | tokens/s, deferred steps (synchronous) | deferred / synchronous | peak GPU memory "
-             "| loss first -> last |", "|---|---:|---:|---:|---:|---|"]
+             "| loss first -> last | model to host, ms: pinned (plain) | model to device, ms: pinned (plain) |",
+             "|---|---:|---:|---:|---:|---|---:|---:|"]
     for preset in [x for x in args.presets.split(",") if x]:
         r = train_alone(preset, args)
         result["alone"].append(r)
         mem = f"{r['peak_memory_gib']:.2f} GiB" if r["peak_memory_gib"] is not None else "-"
+        c = r["copies"]
         lines.append(f"| {preset} | {r['parameters'] / 1e6:.1f} M | {r['tokens_per_s']:.0f} "
                      f"({r['sync']['tokens_per_s']:.0f}) | {r['tokens_per_s'] / r['sync']['tokens_per_s']:.2f} | {mem} | "
-                     f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
+                     f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} | {c['to_host_s'] * 1e3:.1f} "
+                     f"({c['to_host_plain_s'] * 1e3:.1f}) | {c['to_device_s'] * 1e3:.1f} ({c['to_device_plain_s'] * 1e3:.1f}) |")
         print(lines[-1], flush=True)
     if args.no_region:
         args.out.parent.mkdir(parents=True, exist_ok=True)
