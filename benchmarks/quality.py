@@ -87,6 +87,9 @@ ABLATIONS = {
     "tune-8k": ["--tune-tokens", "8192"],
     "world-full": ["--mix-world-max", "1"],
     "world-attn": ["--world-target", "attention"],
+    # each member's shared model takes the region's backbone or the mean of its own and one mate's,
+    # whichever its tune slice prefers (aggregation.region_backbone = "partners")
+    "partners": ["--region-backbone", "partners"],
     "world-fp16": ["--compress-world", "fp16"],  # leaders' models in fp16 in world rounds (issue 14)
     "mix-z2": ["--mix-z", "2"],
     # the defaults before 2026-12-04's study: K = k_proj/v_proj, one mixing weight for the whole model

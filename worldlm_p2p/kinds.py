@@ -26,6 +26,8 @@ PersonalScope = Literal["key", "all", "parts"]
 PersonalModel = Literal["separate", "inline"]
 #: what a separate personal model's shared model takes of a round
 SharedModel = Literal["evidence", "agreed"]
+#: which backbone a worldlm member's shared model takes after a region round (:func:`worldlm_p2p.rounds.partner_target`)
+RegionBackbone = Literal["mean", "partners"]
 #: the outer optimizer of region rounds (:mod:`worldlm_p2p.outer_optim`)
 OuterOptimizer = Literal["sgd", "nesterov"]
 #: how a region's (and the leaders') all-reduce combines its members' payloads (:mod:`worldlm_p2p.robust`)
@@ -44,6 +46,7 @@ RESIDUAL_ATTENTIONS: tuple[str, ...] = get_args(ResidualAttention)
 PERSONAL_SCOPES: tuple[str, ...] = get_args(PersonalScope)
 PERSONAL_MODELS: tuple[str, ...] = get_args(PersonalModel)
 SHARED_MODELS: tuple[str, ...] = get_args(SharedModel)
+REGION_BACKBONES: tuple[str, ...] = get_args(RegionBackbone)
 OUTER_OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizer)
 ROBUST_RULES: tuple[str, ...] = get_args(RobustRule)
 WIRE_CODECS: tuple[str, ...] = get_args(WireCodec)

@@ -103,6 +103,13 @@ class RoundRule:
         return self.strategy.mixes and self.config.mix == "evidence"
 
     @property
+    def backbone_partners(self) -> bool:
+        """True when a member's model after a region round of three or more members takes the
+        backbone its tune slice prefers among the region's and pairs with its mates
+        (``region_backbone = "partners"``: :func:`partner_target`)."""
+        return self.evidence and self.localises and self.config.region_backbone == "partners"
+
+    @property
     def personal_key_only(self) -> bool:
         """True when a member's evidence mix covers only the key layers (``personal_scope="key"``):
         it adopts the backbone its region agreed on (and the world's change of it) whole, so that
@@ -428,6 +435,111 @@ def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Se
     return [t + d.to(t.dtype) for t, d in zip(own, change)], None
 
 
+#: the name of the region's agreed backbone among a member's candidates (:func:`partner_candidates`)
+REGION_CANDIDATE = "region"
+
+
+def sent_backbone(rule: RoundRule, payload: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The backbone part of a member's region payload (:func:`region_payload`) as it travels: its
+    change of the backbone since the round's anchor after one encode and decode in the round's
+    codec (float32). With ``region_backbone = "partners"`` a member serves this to its mates, and
+    its own pair candidates use it, so a pair's mean is made of what the all-reduce averaged."""
+    n_b = len(rule.split.backbone) if rule.localises else len(rule.split.names)
+    codecs = payload_codecs(rule, payload)[:n_b]
+    return compression.roundtrip_all(list(payload[:n_b]), codecs)
+
+
+def partner_mates(mates: Sequence[str], *, cap: int, round_index: int) -> list[str]:
+    """Which of a member's region ``mates`` it evaluates as partners this round: all of them when
+    there are at most ``cap``; otherwise ``cap`` consecutive ones of the mates sorted by name, the
+    window moving on by ``cap`` every round (wrapping around), so that every mate is tried within
+    ``ceil(len(mates) / cap)`` rounds. The order the mates are given in does not matter."""
+    if cap < 1:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    ordered = sorted(set(mates))
+    if len(ordered) <= cap:
+        return ordered
+    start = (int(round_index) * cap) % len(ordered)
+    return [ordered[(start + k) % len(ordered)] for k in range(cap)]
+
+
+def partner_candidates(rule: RoundRule, *, anchor: Sequence[torch.Tensor], own: Sequence[torch.Tensor],
+                       mates: Mapping[str, Sequence[torch.Tensor]], agreed: Sequence[torch.Tensor]
+                       ) -> dict[str, list[torch.Tensor]]:
+    """A member's candidate backbones after a region round (``region_backbone = "partners"``):
+    :data:`REGION_CANDIDATE`, the region's agreed backbone (taken from the agreed model ``agreed``),
+    and for each mate ``j`` of ``mates`` the pair ``anchor + (own + sent_j) / 2``, where ``own`` and
+    ``sent_j`` are the backbone changes the member and the mate sent into the round
+    (:func:`sent_backbone`), in float32 and then in the anchor's dtype. Half and half, whatever
+    the tokens either claims: a pair is a candidate that the member's tune slice judges, and a mate
+    cannot weigh itself in. A mate whose change does not fit the backbone (another number or shape
+    of tensors, or values that are not finite) raises ValueError: check with
+    :func:`check_sent_backbone` first."""
+    base = rule.backbone(anchor)
+    if len(own) != len(base):
+        raise ValueError(f"the member's own change has {len(own)} tensors, the backbone {len(base)}")
+    out = {REGION_CANDIDATE: [t.detach().clone() for t in rule.backbone(agreed)]}
+    for name in sorted(mates):
+        if name == REGION_CANDIDATE:
+            raise ValueError(f"{REGION_CANDIDATE!r} is the region's candidate, not a mate's name")
+        problem = check_sent_backbone(rule, anchor, mates[name])
+        if problem:
+            raise ValueError(f"mate {name}: {problem}")
+        out[name] = [(a.detach().to(torch.float32) + 0.5 * (o.detach().to(torch.float32) + m.detach().to(torch.float32))
+                      ).to(a.dtype) for a, o, m in zip(base, own, mates[name])]
+    return out
+
+
+def check_sent_backbone(rule: RoundRule, anchor: Sequence[torch.Tensor], sent: Sequence[torch.Tensor]) -> str:
+    """Why a backbone change a mate served cannot be used ('' when it can): the number of tensors,
+    a shape, or a value that is not finite."""
+    base = rule.backbone(anchor)
+    if len(sent) != len(base):
+        return f"{len(sent)} tensors, the backbone has {len(base)}"
+    for i, (t, a) in enumerate(zip(sent, base)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(a.shape):
+            return f"tensor {i} has shape {tuple(getattr(t, 'shape', ()))}, the backbone's is {tuple(a.shape)}"
+        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+            return f"tensor {i} is not finite floating-point numbers"
+    return ""
+
+
+def choose_backbone(rule: RoundRule, candidates: Mapping[str, Sequence[torch.Tensor]], *,
+                    own: Sequence[torch.Tensor], loss_of: LossOf) -> tuple[str, dict[str, float]]:
+    """The candidate backbone (:func:`partner_candidates`) with the lowest tune-slice loss, each
+    evaluated with the member's own key layers (those of ``own``, its model before the round), and
+    every candidate's loss. Ties, and losses that are not finite, go to :data:`REGION_CANDIDATE`,
+    then to the first name in sorted order, so the choice does not depend on the order the
+    candidates are given in. Like every search it leaves the last parameters tried wherever
+    ``loss_of`` loads them."""
+    if REGION_CANDIDATE not in candidates:
+        raise ValueError(f"the candidates must include the region's ({REGION_CANDIDATE!r})")
+    own_key = rule.split.take_key(own)
+    names = [REGION_CANDIDATE] + sorted(n for n in candidates if n != REGION_CANDIDATE)
+    losses = {}
+    for name in names:
+        model = rule.split.merge([t.detach().clone() for t in candidates[name]], [t.detach().clone() for t in own_key])
+        losses[name] = mixing.mean_loss(loss_of(model))
+    best = min(names, key=lambda n: (losses[n] if math.isfinite(losses[n]) else math.inf, names.index(n)))
+    return best, losses
+
+
+def partner_target(rule: RoundRule, *, agreed: Sequence[torch.Tensor], own: Sequence[torch.Tensor],
+                   candidates: Mapping[str, Sequence[torch.Tensor]] | None, loss_of: LossOf | None
+                   ) -> tuple[list[torch.Tensor], str | None]:
+    """What a member's model moves towards after a region round (:func:`member_mix`'s ``agreed``)
+    and the partner it chose: with ``region_backbone = "partners"``, candidates and a tune slice,
+    the chosen backbone (:func:`choose_backbone`) with the region's agreed key layers, and the
+    chosen name (:data:`REGION_CANDIDATE` or a mate's); otherwise ``agreed`` and None."""
+    if candidates is None or loss_of is None or len(candidates) < 2:
+        return [t.detach().clone() for t in agreed], None
+    name, _ = choose_backbone(rule, candidates, own=own, loss_of=loss_of)
+    if name == REGION_CANDIDATE:
+        return [t.detach().clone() for t in agreed], name
+    return rule.split.merge([t.detach().clone() for t in candidates[name]],
+                            [t.detach().clone() for t in rule.split.take_key(agreed)]), name
+
+
 def region_round(rule: RoundRule, members: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], *,
                  anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None,
                  loss_of: Sequence[LossOf | None] | None = None
@@ -445,13 +557,21 @@ def region_round_with_anchor(rule: RoundRule, members: Sequence[Sequence[torch.T
                              loss_of: Sequence[LossOf | None] | None = None,
                              choices: list | None = None, max_weight: float | None = None,
                              usage: Sequence[torch.Tensor | None] | None = None,
-                             reuse: Sequence[mixing.MixChoice | None] | None = None
+                             reuse: Sequence[mixing.MixChoice | None] | None = None,
+                             names: Sequence[str] | None = None, round_index: int = 0,
+                             partners: list | None = None
                              ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor] | None, list[torch.Tensor]]:
     """:func:`region_round` plus the region's new agreed model (see :func:`region_step`). With
     ``mix="evidence"``, ``loss_of[i]`` is member ``i``'s tune-slice loss (None: no slice) and each
     member's :class:`~worldlm_p2p.mixing.MixChoice` is appended to ``choices`` when given.
     ``max_weight``: the cap on a member's weight (:func:`worldlm_p2p.aggregation.max_round_weight`).
     ``reuse[i]``: member ``i``'s earlier choice to take again instead of a search (:func:`member_mix`).
+    With :attr:`RoundRule.backbone_partners` and three or more members, member ``i`` (named
+    ``names[i]``, default its index) first chooses the backbone it moves towards among the region's
+    and its pairs with the mates :func:`partner_mates` gives for ``round_index``
+    (:func:`partner_target`; a member that reuses an earlier choice takes the region's), and its
+    choice (a mate's name, :data:`REGION_CANDIDATE`, or None without a search) is appended to
+    ``partners`` when given.
 
     A group of one member has nothing to average, as a swarm peer alone in its region holds no
     region round (:meth:`worldlm_p2p.peer.core.Peer._region_of_one`): its model is the group's agreed
@@ -465,11 +585,25 @@ def region_round_with_anchor(rule: RoundRule, members: Sequence[Sequence[torch.T
     payloads = [region_payload(rule, p, anchor, usage=u) for p, u in zip(members, usage)]
     averaged = region_average(rule, payloads, weights, max_weight=max_weight)
     out, new_m, agreed = [], momentum, None
+    names = [str(i) for i in range(len(members))] if names is None else [str(n) for n in names]
+    if len(names) != len(members) or len(set(names)) != len(names):
+        raise ValueError(f"need one distinct name per member, got {names!r} for {len(members)} members")
+    sent = ([sent_backbone(rule, pl) for pl in payloads] if rule.backbone_partners and len(members) >= 3 else None)
     for i, p in enumerate(members):
         new, agreed, new_m = region_step(rule, averaged, params=p, anchor=anchor, momentum=momentum)
         if rule.evidence:
-            new, choice = member_mix(rule, own=p, agreed=agreed, loss_of=loss_of[i] if loss_of else None,
-                                     reuse=reuse[i] if reuse else None)
+            f = loss_of[i] if loss_of else None
+            r = reuse[i] if reuse else None
+            target, partner = agreed, None
+            if sent is not None and f is not None and r is None:
+                mates = partner_mates([n for j, n in enumerate(names) if j != i], cap=rule.config.partner_candidates,
+                                      round_index=round_index)
+                candidates = partner_candidates(rule, anchor=anchor, own=sent[i], agreed=agreed,
+                                                mates={n: sent[names.index(n)] for n in mates})
+                target, partner = partner_target(rule, agreed=agreed, own=p, candidates=candidates, loss_of=f)
+            if partners is not None:
+                partners.append(partner)
+            new, choice = member_mix(rule, own=p, agreed=target, loss_of=f, reuse=r)
             if choices is not None:
                 choices.append(choice)
         out.append(new)

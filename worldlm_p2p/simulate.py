@@ -252,14 +252,17 @@ class Simulator:
                     members, params, weights, anchors[name], momenta.get(name))
             else:
                 choices: list = []
+                partners: list = []
                 new, momenta[name], anchors[name] = region_round_with_anchor(
                     rule, params, weights, anchor=anchors[name], momentum=momenta.get(name),
                     loss_of=[self._loss_of(p, "region") for p in members], choices=choices, usage=[p.usage for p in members],
                     reuse=[self._reuse(p, "region") for p in members],
                     max_weight=max_round_weight(inner_steps=self.config.train.inner_steps,
                                                 batch_size=self.config.train.batch_size,
-                                                seq_len=self.config.train.seq_len))
-                for p, c in zip(members, choices):
+                                                seq_len=self.config.train.seq_len),
+                    names=[p.label for p in members], round_index=self._round, partners=partners)
+                for k, (p, c) in enumerate(zip(members, choices)):
+                    partner = partners[k] if k < len(partners) else None
                     # the slice loss of the model it keeps (overlapped: it keeps the model plus what
                     # it trains meanwhile, whose loss is not known)
                     p.tune_loss = c.loss if c is not None and not c.reused and not overlap else None
@@ -267,7 +270,8 @@ class Simulator:
                     if c is not None or (rule.evidence and len(members) > 1):  # no slice: took nothing
                         p.mixes.append(dict(round=self._round, kind="region", lam=c.lam if c else 0.0,
                                             gain=c.gain if c and math.isfinite(c.gain) else 0.0,
-                                            **mix_parts_record(rule, c), **_reused(c)))
+                                            **mix_parts_record(rule, c), **_reused(c),
+                                            **({"partner": partner} if partner is not None else {})))
             for p, own, tensors in zip(members, params, new):
                 if overlap:  # (the mixing search left trial parameters in the model)
                     self._pending[p.key] = (own, tensors)

@@ -91,9 +91,12 @@ def _start_together(procs: Procs, tmp, maddrs, *, max_steps: int = H, timeout: f
 # each member's token counts (counted by the peer from its own training text, by the simulator from
 # the same text); and the evidence budget, over two rounds: the first searches, the second (its
 # searches over budget) takes the first's weights again, in the swarm as in the simulator, with
-# WorldLM's distance attention over K (the default K rule is the plain mean)
+# WorldLM's distance attention over K (the default K rule is the plain mean); and backbone partners:
+# each member serves the backbone change it sent, downloads its two mates', and takes the region's
+# backbone or its pair with one mate, whichever its tune slice prefers
 VARIANTS = {
     "defaults": ("", 1),
+    "partners": ('region_backbone = "partners"', 1),
     "agreed-usage": ('shared_model = "agreed"\nusage_rows = true', 1),
     "evidence-budget": ('evidence_share = 0.05\nattention = "distance"', 2),
 }
@@ -177,6 +180,9 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path, var
         if variant == "evidence-budget":
             assert not region_mixes[0].get("reused") and rec.get("reused"), label
             assert not rounds[label][0]["mix_reused"] and t["mix_lam"] == rounds[label][0]["mix_lam"], label
+        # the backbone it took: the region's, or its pair with the same mate as in the simulator
+        assert t["partner"] == rec.get("partner"), (label, t["partner"], rec.get("partner"))
+        assert (t["partner"] is not None) == (variant == "partners"), label
         if variant == "agreed-usage":  # the shared model is the agreed one, K included
             assert rec["lam"] == 1 and max_abs_diff(t["post"], t["agreed"]) < 1e-7, label
         personal = [m for m in mixes if m["kind"] == "personal"][last]
@@ -184,6 +190,8 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path, var
         assert bool(personal.get("reused")) == (variant == "evidence-budget"), label
         err = max_abs_diff(t["personal"], sim_personal[label])
         assert err < 1e-5, (label, err)
+    if variant == "partners":  # (the pairs were tried: with these texts at least one member takes one)
+        assert any(t["partner"] not in (None, "region") for t in group), [t["partner"] for t in group]
     if variant == "agreed-usage":
         # the counts made a difference: the pure round on the swarm's own inputs gives its agreed model
         # with the members' token counts, and a different one without them

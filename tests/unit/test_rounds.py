@@ -1010,3 +1010,158 @@ def test_reused_choices_give_what_a_search_that_chose_them_gives_without_evaluat
     want1, c1 = member_mix(rule, own=members[1], agreed=agreed_model, loss_of=never, reuse=earlier)
     assert all(torch.equal(x, y) for x, y in zip(out[0], want0)) and all(torch.equal(x, y) for x, y in zip(out[1], want1))
     assert choices[0].evaluated and not choices[0].reused and choices[1].reused and choices[1].lam == 0.5
+
+
+# ------------------------------------------------------------------ backbone partners (region_backbone = "partners")
+
+
+def test_partner_mates_takes_every_mate_or_a_window_that_moves_on_each_round() -> None:
+    from worldlm_p2p.rounds import partner_mates
+
+    assert partner_mates(["c", "a", "b"], cap=6, round_index=3) == ["a", "b", "c"]
+    assert partner_mates(["b", "c", "a"], cap=3, round_index=0) == ["a", "b", "c"]  # order given does not matter
+    mates = [f"m{i}" for i in range(5)]
+    # cap 2 over 5 mates: windows starting at 0, 2, 4, 1, ... by round, wrapping around
+    assert partner_mates(mates, cap=2, round_index=0) == ["m0", "m1"]
+    assert partner_mates(mates, cap=2, round_index=1) == ["m2", "m3"]
+    assert partner_mates(mates, cap=2, round_index=2) == ["m4", "m0"]
+    assert partner_mates(list(reversed(mates)), cap=2, round_index=2) == ["m4", "m0"]
+    seen = set()
+    for r in range(3):  # ceil(5 / 2) rounds try every mate
+        seen |= set(partner_mates(mates, cap=2, round_index=r))
+    assert seen == set(mates)
+    assert partner_mates([], cap=2, round_index=0) == []
+    with pytest.raises(ValueError, match="cap"):
+        partner_mates(mates, cap=0, round_index=0)
+
+
+def test_partner_candidates_are_the_region_backbone_and_half_and_half_pairs_hand_computed() -> None:
+    from worldlm_p2p.rounds import REGION_CANDIDATE, check_sent_backbone, partner_candidates
+
+    rule = RoundRule.of(SPLIT, region_backbone="partners")
+    anchor = [T([1.0, 2.0, 3.0]), torch.zeros(2, 2), torch.zeros(2), torch.ones(2, 3)]
+    agreed = [T([9.0, 9.0, 9.0]), torch.ones(2, 2), torch.ones(2), torch.full((2, 3), 7.0)]
+    own = [T([0.5, 0.0, -1.0]), torch.full((2, 3), 0.25)]  # the backbone's change it sent: tensors 0 and 3
+    mate = [T([1.5, 2.0, 1.0]), torch.full((2, 3), -0.25)]
+    out = partner_candidates(rule, anchor=anchor, own=own, mates={"b": mate}, agreed=agreed)
+    assert list(out) == [REGION_CANDIDATE, "b"]
+    assert torch.equal(out[REGION_CANDIDATE][0], agreed[0]) and torch.equal(out[REGION_CANDIDATE][1], agreed[3])
+    # anchor + (own + mate) / 2: [1 + 1, 2 + 1, 3 + 0] and 1 + 0
+    assert torch.equal(out["b"][0], T([2.0, 3.0, 3.0])) and torch.equal(out["b"][1], torch.ones(2, 3))
+    # what a mate serves is checked: the number of tensors, their shapes, finite values
+    assert check_sent_backbone(rule, anchor, mate) == ""
+    assert "tensors" in check_sent_backbone(rule, anchor, mate[:1])
+    assert "shape" in check_sent_backbone(rule, anchor, [mate[0], torch.zeros(3, 2)])
+    assert "finite" in check_sent_backbone(rule, anchor, [T([1.0, math.nan, 0.0]), mate[1]])
+    with pytest.raises(ValueError, match="mate c"):
+        partner_candidates(rule, anchor=anchor, own=own, mates={"c": [mate[0], torch.full((2, 3), math.inf)]},
+                           agreed=agreed)
+
+
+def test_choose_backbone_takes_the_lowest_slice_loss_whatever_the_order_and_the_region_on_ties() -> None:
+    from worldlm_p2p.rounds import REGION_CANDIDATE, choose_backbone
+
+    rule = RoundRule.of(SPLIT, region_backbone="partners")
+    g = torch.Generator().manual_seed(3)
+    own = _model(g)
+    cands = {REGION_CANDIDATE: [torch.zeros(3), torch.zeros(2, 3)], "b": [torch.ones(3), torch.ones(2, 3)],
+             "a": [torch.full((3,), 2.0), torch.full((2, 3), 2.0)]}
+
+    def wants(level: float, key_seen: list):
+        def loss(params):
+            key_seen.append([params[i].clone() for i in SPLIT.key])
+            return float(sum((params[i] - level).pow(2).sum() for i in SPLIT.backbone))
+        return loss
+
+    seen: list = []
+    name, losses = choose_backbone(rule, cands, own=own, loss_of=wants(1.9, seen))
+    assert name == "a" and losses == pytest.approx({REGION_CANDIDATE: 9 * 1.9 ** 2, "b": 9 * 0.9 ** 2,
+                                                     "a": 9 * 0.1 ** 2})
+    # every candidate is evaluated with the member's own key layers
+    assert len(seen) == 3 and all(torch.equal(k, own[i]) for ks in seen for k, i in zip(ks, SPLIT.key))
+    reordered = {k: cands[k] for k in ("a", REGION_CANDIDATE, "b")}
+    assert choose_backbone(rule, reordered, own=own, loss_of=wants(1.9, []))[0] == "a"
+    # ties go to the region's backbone; so does a slice whose losses are not finite
+    assert choose_backbone(rule, cands, own=own, loss_of=lambda p: 1.0)[0] == REGION_CANDIDATE
+    assert choose_backbone(rule, cands, own=own, loss_of=lambda p: math.nan)[0] == REGION_CANDIDATE
+    with pytest.raises(ValueError, match="region"):
+        choose_backbone(rule, {"b": cands["b"]}, own=own, loss_of=lambda p: 1.0)
+
+
+def test_a_member_with_no_useful_partner_moves_towards_the_regions_agreed_model() -> None:
+    from worldlm_p2p.rounds import REGION_CANDIDATE, partner_target
+
+    rule = RoundRule.of(SPLIT, region_backbone="partners")
+    g = torch.Generator().manual_seed(4)
+    own, agreed = _model(g), _model(g)
+    pair = [torch.randn(3, generator=g), torch.randn(2, 3, generator=g)]
+    cands = {REGION_CANDIDATE: rule.split.take_backbone(agreed), "b": pair}
+
+    def slice_wants(target):
+        return lambda params: float(sum((p - t).pow(2).sum() for p, t in zip(params, target)))
+
+    out, name = partner_target(rule, agreed=agreed, own=own, candidates=cands, loss_of=slice_wants(agreed))
+    assert name == REGION_CANDIDATE and all(torch.equal(x, y) for x, y in zip(out, agreed))
+    # a useful partner: its pair's backbone with the region's agreed key layers
+    out, name = partner_target(rule, agreed=agreed, own=own, candidates=cands,
+                               loss_of=slice_wants(rule.split.merge(pair, rule.split.take_key(own))))
+    assert name == "b"
+    assert torch.equal(out[0], pair[0]) and torch.equal(out[3], pair[1])
+    assert all(torch.equal(out[i], agreed[i]) for i in SPLIT.key)
+    # no slice, or no candidates: the agreed model and no choice
+    for kw in (dict(candidates=cands, loss_of=None), dict(candidates=None, loss_of=slice_wants(agreed))):
+        out, name = partner_target(rule, agreed=agreed, own=own, **kw)
+        assert name is None and all(torch.equal(x, y) for x, y in zip(out, agreed))
+
+
+def test_region_round_with_partners_equals_the_pure_choice_and_does_not_depend_on_member_order() -> None:
+    """Three members; member 0's slice wants its pair with member 2, the others want the region's
+    backbone. The round's models are what the pure functions give by hand, the agreed model is the
+    mean whatever the members choose, and permuting the members permutes the results."""
+    from worldlm_p2p.rounds import REGION_CANDIDATE, member_mix, sent_backbone
+
+    rule = RoundRule.of(SPLIT, region_backbone="partners", robust="mean")
+    plain = RoundRule.of(SPLIT, robust="mean")
+    anchor, members, tokens = _region(3, seed=9)
+    payloads = [region_payload(rule, p, anchor) for p in members]
+    sent = [sent_backbone(rule, pl) for pl in payloads]
+    pair02 = [(a.float() + 0.5 * (x + y)).to(a.dtype) for a, x, y in zip(rule.split.take_backbone(anchor), sent[0], sent[2])]
+    _, _, agreed = region_round_with_anchor(plain, members, tokens, anchor=anchor, momentum=None)
+
+    def slice_wants(target):
+        return lambda params: float(sum((p - t).pow(2).sum() for p, t in zip(params, target)))
+
+    want0 = rule.split.merge(pair02, rule.split.take_key(members[0]))
+    loss_of = [slice_wants(want0), slice_wants(agreed), slice_wants(agreed)]
+    names = ["m0", "m1", "m2"]
+    partners: list = []
+    out, _, agreed_p = region_round_with_anchor(rule, members, tokens, anchor=anchor, momentum=None, loss_of=loss_of,
+                                                names=names, partners=partners)
+    assert partners == ["m2", REGION_CANDIDATE, REGION_CANDIDATE]
+    _close(agreed_p, agreed)  # the region's agreed model is the mean whatever its members chose
+    target0 = rule.split.merge(pair02, rule.split.take_key(agreed))
+    by_hand, _ = member_mix(rule, own=members[0], agreed=target0, loss_of=loss_of[0])
+    _close(out[0], by_hand)
+    for i in (1, 2):  # the region's backbone: what the plain rule gives
+        plain_out, _ = member_mix(plain, own=members[i], agreed=agreed, loss_of=loss_of[i])
+        _close(out[i], plain_out)
+    perm = [2, 0, 1]
+    partners_p: list = []
+    out_p, _, _ = region_round_with_anchor(rule, [members[k] for k in perm], [tokens[k] for k in perm], anchor=anchor,
+                                           momentum=None, loss_of=[loss_of[k] for k in perm],
+                                           names=[names[k] for k in perm], partners=partners_p)
+    assert partners_p == [partners[k] for k in perm]
+    for j, k in enumerate(perm):
+        _close(out_p[j], out[k])
+    # a group of two has nothing to choose (the pair is the region): no search, the plain round
+    partners_2: list = []
+    out2, _, _ = region_round_with_anchor(rule, members[:2], tokens[:2], anchor=anchor, momentum=None,
+                                          loss_of=loss_of[:2], names=names[:2], partners=partners_2)
+    plain2, _, _ = region_round_with_anchor(plain, members[:2], tokens[:2], anchor=anchor, momentum=None,
+                                            loss_of=loss_of[:2])
+    assert partners_2 == [None, None]
+    for a, b in zip(out2, plain2):
+        _close(a, b)
+    with pytest.raises(ValueError, match="distinct name"):
+        region_round_with_anchor(rule, members, tokens, anchor=anchor, momentum=None, loss_of=loss_of,
+                                 names=["a", "a", "b"])

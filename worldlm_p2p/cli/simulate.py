@@ -76,6 +76,11 @@ FLAGS = (
     Flag("aggregation", "shared_model", "with --personal-model separate: what the shared model takes of a round: "
                                         "evidence (the agreed backbone whole, key layers by its tune slice; "
                                         "default) or agreed (the agreed model and every world change whole)"),
+    Flag("aggregation", "region_backbone", "with --mix evidence: the backbone a member takes after a region round "
+                                           "of 3 or more: mean (the region's; default) or partners (the region's or "
+                                           "its mean with one mate's, whichever its tune slice prefers)"),
+    Flag("aggregation", "partner_candidates", "with --region-backbone partners: the most mates a member evaluates "
+                                              "per round"),
     Flag("aggregation", "outer", "outer optimizer"),
     Flag("aggregation", "outer_lr", "outer learning rate"),
     Flag("aggregation", "outer_momentum", "Nesterov momentum"),

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from worldlm_p2p.errors import ConfigError
-from worldlm_p2p.kinds import (ATTENTION_FORMS, MIX_RULES, OUTER_OPTIMIZERS, PERSONAL_MODELS, PERSONAL_SCOPES, ROBUST_RULES,
+from worldlm_p2p.kinds import (ATTENTION_FORMS, MIX_RULES, OUTER_OPTIMIZERS, PERSONAL_MODELS, PERSONAL_SCOPES, REGION_BACKBONES,
+                               ROBUST_RULES, RegionBackbone,
                                RESIDUAL_ATTENTIONS, ROUND_SCHEDULES, SHARED_MODELS, STRATEGY_NAMES, SWARM_STRATEGIES, WIRE_CODECS, WORLD_TARGETS,
                                AttentionForm, MixRule, OuterOptimizer, PersonalModel, PersonalScope, ResidualAttention, RobustRule, RoundSchedule,
                                SharedModel, StrategyName, WireCodec, WorldTarget)
@@ -235,6 +236,23 @@ class AggregationConfig:
       exchange of the leaders reach it unfiltered); only the personal model then mixes by evidence.
       Measured: better where a region's members write related languages at the short budget, worse
       at the long one and where a region mixes unrelated ones (``benchmarks/RESULTS.md``, issue 10).
+    - ``region_backbone``: with ``mix = "evidence"`` (``worldlm``), which backbone a member takes after a region
+      round of three or more members. ``"mean"`` (the default): the region's agreed backbone.
+      ``"partners"``: whichever does best on its tune slice (with its own key layers) of the
+      region's agreed backbone and, for each of up to ``partner_candidates`` region mates, the mean
+      of the backbone it sent into the round and the one that mate sent, half and half: a
+      sub-federation of two formed by evidence, round by round, which a member leaves as soon as
+      the region's mean does better. Each member serves what it sent, and downloads what its mates
+      sent, after the all-reduce: one backbone per candidate mate and round, in the round's backbone
+      codec (:meth:`worldlm_p2p.net.averaging.RegionAverager.download_contribution_from`); a mate
+      that does not serve it in time, or serves something that does not fit, is left out. The
+      region's agreed model, which late joiners download and the leader carries, stays the mean.
+      A simulator prototype gained 3.3% in the region mean where regions hold related languages
+      (``today``, 5 seeds) and was level on three corpora of unrelated ones
+      (``benchmarks/RESULTS.md``, issue 10).
+    - ``partner_candidates``: with ``region_backbone = "partners"``, the most region mates a member
+      evaluates per round; in a larger group it takes a window of its mates (sorted by id) that
+      moves on by this many every round (:func:`worldlm_p2p.rounds.partner_mates`).
     - ``personal_tau``: the temperature of ``mix = "cosine"``.
     - ``evidence_share``: with ``mix = "evidence"``, the share of a member's compute its evidence
       searches may take, in forward passes (0, the default: a search at every round). Above 0 a
@@ -304,6 +322,8 @@ class AggregationConfig:
     personal_scope: PersonalScope = "parts"
     personal_model: PersonalModel = "separate"
     shared_model: SharedModel = "evidence"
+    region_backbone: RegionBackbone = "mean"
+    partner_candidates: int = 6
     outer: OuterOptimizer = "sgd"
     outer_lr: float = 1.0  # 1.0 with sgd = plain FedAvg: adopt the averaged model
     outer_momentum: float = 0.9  # nesterov only
@@ -352,6 +372,13 @@ class AggregationConfig:
                  f"{self.personal_model!r} is not one of {', '.join(PERSONAL_MODELS)}")
         _require(self.shared_model in SHARED_MODELS, "aggregation.shared_model",
                  f"{self.shared_model!r} is not one of {', '.join(SHARED_MODELS)}")
+        _require(self.region_backbone in REGION_BACKBONES, "aggregation.region_backbone",
+                 f"{self.region_backbone!r} is not one of {', '.join(REGION_BACKBONES)}")
+        _require(self.region_backbone == "mean" or self.mix == "evidence", "aggregation.region_backbone",
+                 "\"partners\" is chosen by evidence: it needs mix = \"evidence\"")
+        _require(isinstance(self.partner_candidates, int) and not isinstance(self.partner_candidates, bool)
+                 and 1 <= self.partner_candidates <= 64, "aggregation.partner_candidates",
+                 "must be an integer in [1, 64], e.g. 6")
         _require(not (self.personal_model == "separate" and self.mix == "evidence" and self.personal_scope == "key"),
                  "aggregation.personal_scope", "\"key\" is what a separate personal model's shared model does "
                  "already; with personal_model = \"separate\" (the default) the personal model mixes by \"parts\" or "

@@ -176,6 +176,26 @@ class RegionAverager(DecentralizedAverager):
         async for message in super().rpc_download_state(request, context):
             yield message
 
+    async def rpc_download_contribution(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+                                        ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """What this member sent into its last region round (:meth:`set_contribution`), for its
+        mates' backbone partners (``aggregation.region_backbone = "partners"``): the metadata
+        ``{round, anchor}`` on the first message, then the tensors. Nothing for a peer not admitted
+        or banned, or before the first round."""
+        if self._refused(context.remote_id):
+            logger.warning("refused a contribution download by %s: not admitted to this region", context.remote_id)
+            return
+        held = getattr(self, "_contribution", None)
+        if held is None:
+            return
+        from hivemind.utils.streaming import split_for_streaming
+
+        metadata, serialized = held
+        for tensor in serialized:
+            for part in split_for_streaming(tensor):
+                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
+                metadata = None
+
     async def _aggregate_with_group(self, group_info, *args, **kwargs):
         strangers = [str(p) for p in group_info.peer_ids if self._refused(p)]
         if strangers:
@@ -342,6 +362,45 @@ class RegionAverager(DecentralizedAverager):
                 control.cancel()
                 raise TimeoutError("the round did not end in time" + (" (stopping)" if self.should_stop() else ""))
 
+    # ------------------------------------------------------------------ what a member sent (backbone partners)
+    def set_contribution(self, *, round_index: int, anchor: str, tensors: Sequence[torch.Tensor],
+                         timeout: float = 10.0) -> bool:
+        """Serve ``tensors`` (what this member sends into region round ``round_index``, whose anchor
+        has the digest ``anchor``) to the mates that download it (:meth:`download_contribution_from`)
+        from now until the next call. Held in the averager process, serialized once; False (logged
+        once) when it could not be handed over."""
+        # (in shared memory: the control pipe carries handles; a megabyte through it breaks it)
+        shared = [t.detach().to("cpu", copy=True).share_memory_() for t in tensors]
+        metadata = self.serializer.dumps(dict(round=int(round_index), anchor=str(anchor)))
+        try:
+            hivemind_compat.call_in_averager(self, "_set_contribution", metadata, shared, timeout=timeout)
+            return True
+        except Exception as e:
+            hivemind_compat.warn_once("serving this member's contribution to the round", e)
+            return False
+
+    async def _set_contribution(self, metadata: bytes, tensors: list[torch.Tensor], future) -> None:  # averager process
+        from hivemind.compression import serialize_torch_tensor
+        from hivemind.proto import runtime_pb2
+
+        try:
+            self._contribution = (metadata, [serialize_torch_tensor(t, runtime_pb2.CompressionType.NONE)
+                                             for t in tensors])
+            future.set_result(None)
+        except Exception as e:
+            self._contribution = None
+            future.set_exception(e)
+
+    def download_contribution_from(self, peer_id: str, *, timeout: float) -> tuple[Any, list[torch.Tensor]] | None:
+        """What ``peer_id`` serves of its last round (:meth:`set_contribution`): ``(metadata,
+        tensors)``, or None when it does not answer within ``timeout`` or serves nothing."""
+        try:
+            return hivemind_compat.call_in_averager(self, "_download_state_from", str(peer_id), timeout=timeout + 5.0,
+                                                    download_timeout=float(timeout), rpc="rpc_download_contribution")
+        except Exception as e:
+            logger.debug("contribution download from %s failed: %s", peer_id, e)
+            return None
+
     def download_state_from(self, peer_id: str, *, timeout: float) -> tuple[Any, list[torch.Tensor]] | None:
         """Download the state that one chosen peer of this averager's prefix serves (hivemind's
         ``rpc_download_state``, asked of ``peer_id`` rather than of the highest-priority peer).
@@ -353,7 +412,8 @@ class RegionAverager(DecentralizedAverager):
             logger.debug("state download from %s failed: %s", peer_id, e)
             return None
 
-    async def _download_state_from(self, peer_id: str, download_timeout: float, future) -> None:  # averager process
+    async def _download_state_from(self, peer_id: str, download_timeout: float, future,
+                                   rpc: str = "rpc_download_state") -> None:  # averager process
         import asyncio
 
         from hivemind.compression import deserialize_torch_tensor
@@ -362,7 +422,7 @@ class RegionAverager(DecentralizedAverager):
 
         async def fetch():
             stub = hivemind_compat.state_stub(self, peer_id)
-            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            stream = await getattr(stub, rpc)(averaging_pb2.DownloadRequest())
             metadata, tensors, parts = None, [], []
             async for message in stream:
                 if message.metadata:

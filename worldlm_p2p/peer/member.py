@@ -109,25 +109,33 @@ class Member:
             self._evaluator = SliceEvaluator(self.trainer)
         return self._counted(self._evaluator.tune_losses if self.rule.windowed else self._evaluator.tune_loss, "region")
 
-    def mix_safely(self, search: Callable, *, own: list[torch.Tensor]):
+    def mix_safely(self, search: Callable, *, own: list[torch.Tensor], extra: int = 0):
         """Run a mixing search; if evaluating the tune slice fails (out of memory, say), keep the
-        own model (a search leaves trial parameters in the model) and say so, rather than stop."""
+        own model (a search leaves trial parameters in the model) and say so, rather than stop.
+        ``extra``: what the search returns beyond ``(model, choice)``, None each on a failure."""
         try:
             return search()
         except Exception as e:
             logger.warning("evidence mixing failed (%s: %s): keeping this peer's own model", type(e).__name__, e)
             set_params(self.model, own)
-            return [t.detach().clone() for t in own], None
+            return ([t.detach().clone() for t in own], None) + (None,) * extra
 
-    def record_mix(self, kind: str, index: int, choice) -> None:
+    def record_mix(self, kind: str, index: int, choice, *, partner: str | None = None) -> None:
+        """``partner``: with ``region_backbone = "partners"``, the backbone the member took before
+        mixing (``"region"``, or the label of the mate whose pair it took; None: no choice)."""
         if self.budget is not None:
             self.budget.remember(kind, choice)
         lam = choice.lam if choice is not None else 0.0
         gain = choice.gain if choice is not None and math.isfinite(choice.gain) else 0.0
         parts = mix_parts_record(self.rule.personal if kind == "personal" else self.rule, choice)
         self.stats.mixes.append(dict(kind=kind, round=int(index), step=self.stats.step, lam=lam, gain=gain, **parts,
-                                     **({"reused": True} if choice is not None and choice.reused else {})))
+                                     **({"reused": True} if choice is not None and choice.reused else {}),
+                                     **({"partner": partner} if partner is not None else {})))
         what = {"region": "region's agreed model", "world": "world's change", "personal": "shared model"}[kind]
+        if partner is not None and partner != "region":
+            what = "region's key layers"
+            logger.info("%s round %d: took the backbone of its pair with %s (its tune slice preferred it to the "
+                        "region's)", kind, index, partner)
         if choice is not None and choice.reused:
             logger.info("%s round %d: took %.3g of the %s%s again (no evidence search due)", kind, index, lam, what,
                         f" (backbone; key layers {parts['key_lam']:.3g})" if parts else "")

@@ -41,7 +41,7 @@ from worldlm_p2p import aggregation, rounds
 from worldlm_p2p.codec import state_digest
 from worldlm_p2p.config import AveragingConfig
 from worldlm_p2p.net import barrier, priority
-from worldlm_p2p.net.averaging import RegionAverager, RoundResult
+from worldlm_p2p.net.averaging import RegionAverager, RoundResult, is_relay_gather
 
 from worldlm_p2p.peer.events import EventLog
 from worldlm_p2p.peer.member import Member
@@ -73,6 +73,9 @@ class Averaged:
     new: list[torch.Tensor] | None = None
     agreed: list[torch.Tensor] | None = None
     momentum: list[torch.Tensor] | None = None
+    #: with ``region_backbone = "partners"``: the member's candidate backbones (the region's, and its
+    #: pair with each mate that served what it sent; :func:`worldlm_p2p.rounds.partner_candidates`)
+    candidates: dict[str, list[torch.Tensor]] | None = None
 
 
 @dataclass(slots=True)
@@ -258,8 +261,9 @@ class RegionRound:
                 # the member's evidence search, here on a copy of the model while training goes on
                 # (a failure leaves it to the conclusion, in the training thread)
                 try:
-                    flight.mixed = rounds.member_mix(self.rule, own=a.pre, agreed=a.agreed, loss_of=flight.loss_of,
-                                                     reuse=flight.reuse)
+                    target, partner = self.partner_target(a, loss_of=flight.loss_of, reuse=flight.reuse)
+                    flight.mixed = rounds.member_mix(self.rule, own=a.pre, agreed=target, loss_of=flight.loss_of,
+                                                     reuse=flight.reuse) + (partner,)
                 except Exception as e:
                     logger.debug("round %d: background evidence search failed: %s: %s", self.stats.round,
                                  type(e).__name__, e)
@@ -343,6 +347,12 @@ class RegionRound:
         if admitted is not None:  # an admitting region: only the members whose records the barrier admitted
             self.averager.set_admitted(admitted)
         digest = state_digest(anchor)
+        sent = None
+        if self.rule.backbone_partners:  # serve what this member sends, before any mate can ask for it
+            sent = rounds.sent_backbone(self.rule, payload)
+            codecs = rounds.payload_codecs(self.rule, payload)
+            self.averager.set_contribution(round_index=s.round, anchor=digest, tensors=[
+                t.to(torch.float16) if c == "fp16" else t for t, c in zip(sent, codecs)])
         result = self.averager.run_round(payload, weight=weight, gather=dict(
             label=self.label, weight=weight, tokens=tokens, round=s.round, world=s.world_round,
             change=self.state.change.world_round if self.state.change is not None else -1, expected=waiting + 1,
@@ -363,8 +373,66 @@ class RegionRound:
         except ValueError as e:  # e.g. a non-positive attention denominator from a corrupted part
             result = dataclasses.replace(result, ok=False, averaged=None, error=f"unusable average: {e}")
             return Averaged(result=result, pre=pre, anchor=anchor, weight=weight)
+        candidates = None
+        if sent is not None and result.group_size >= 3 and not self.stopping():
+            mates = self.fetch_mates(result, anchor=anchor, digest=digest)
+            candidates = rounds.partner_candidates(self.rule, anchor=anchor, own=sent, mates=mates, agreed=agreed)
         return Averaged(result=result, pre=pre, anchor=anchor, weight=weight, new=new, agreed=agreed,
-                        momentum=momentum)
+                        momentum=momentum, candidates=candidates)
+
+    # ------------------------------------------------------------------ backbone partners
+    def fetch_mates(self, result: RoundResult, *, anchor: list[torch.Tensor], digest: str) -> dict[str, list[torch.Tensor]]:
+        """What the mates :func:`worldlm_p2p.rounds.partner_mates` picks from the round's group sent
+        into it (their backbone changes, served by their averagers), by peer id: a mate that does not
+        serve it within the round's averaging timeout (all mates together), serves another round's or
+        anchor's, or something that does not fit the backbone is left out (logged)."""
+        me = str(self.averager.peer_id)
+        mates = [p for p, g in result.gathered.items() if p != me and not is_relay_gather(g)]
+        picked = rounds.partner_mates(mates, cap=self.rule.config.partner_candidates, round_index=self.stats.round)
+        deadline = time.monotonic() + self.averaging.averaging_timeout
+        out: dict[str, list[torch.Tensor]] = {}
+        for peer in picked:
+            why = ""
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.stopping():
+                    why = why or "it did not serve it in time"
+                    break
+                got = self.averager.download_contribution_from(peer, timeout=min(left, 10.0))
+                meta, tensors = got if got is not None else (None, None)
+                if isinstance(meta, dict) and meta.get("round") == self.stats.round and meta.get("anchor") == digest:
+                    tensors = [t.to(torch.float32) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                               for t in tensors]
+                    why = rounds.check_sent_backbone(self.rule, anchor, tensors)
+                    if not why:
+                        out[peer] = tensors
+                    break
+                if isinstance(meta, dict) and isinstance(meta.get("round"), int) and meta["round"] > self.stats.round:
+                    why = f"it serves round {meta['round']} already"
+                    break
+                why = "it serves another round's" if isinstance(meta, dict) else why
+                time.sleep(0.1)  # (a mate whose averager has not taken it yet)
+            if why:
+                logger.warning("round %d: left out %s%s as a backbone partner: %s", self.stats.round, peer,
+                               self._label_of(result, peer), why)
+        return out
+
+    def partner_target(self, a: Averaged, *, loss_of, reuse) -> tuple[list[torch.Tensor], str | None]:
+        """What the member's model moves towards (:func:`worldlm_p2p.rounds.partner_target`): the
+        agreed model, or its pair with the mate its tune slice prefers; a member that reuses an
+        earlier choice (its evidence budget spent) takes the region's."""
+        if a.candidates is None or reuse is not None:
+            return [t.detach().clone() for t in a.agreed], None
+        return rounds.partner_target(self.rule, agreed=a.agreed, own=a.pre, candidates=a.candidates, loss_of=loss_of)
+
+    @staticmethod
+    def _partner_label(result: RoundResult, partner: str | None) -> str | None:
+        """A chosen partner by its label (its peer id when it has none); the region's stays as it is."""
+        if partner is None or partner == rounds.REGION_CANDIDATE:
+            return partner
+        g = result.gathered.get(partner)
+        label = g.get("label") if isinstance(g, dict) else None
+        return str(label) if label else partner
 
     def judge(self, result: RoundResult) -> None:
         """Name the peers the round's report accuses, and ban the repeat offenders."""
@@ -402,13 +470,19 @@ class RegionRound:
         s, result = self.stats, a.result
         lost = lost_parts(group_size=result.group_size, expected=expected, target=self.averaging.target_group_size,
                           dropped=result.report.dropped) if result.ok else []
-        mix, new = None, a.new
+        mix, new, partner = None, a.new, None
         if result.ok and self.rule.evidence:
-            new, mix = mixed if mixed is not None else self.member.mix_safely(
-                lambda: rounds.member_mix(self.rule, own=a.pre, agreed=a.agreed, loss_of=self.member.loss_of(),
-                                          reuse=self.member.reuse_for("region")),
-                own=a.pre)
-            self.member.record_mix("region", s.round, mix)
+            if mixed is not None:
+                new, mix, partner = mixed
+            else:
+                def search():
+                    loss_of, reuse = self.member.loss_of(), self.member.reuse_for("region")
+                    target, chosen = self.partner_target(a, loss_of=loss_of, reuse=reuse)
+                    return rounds.member_mix(self.rule, own=a.pre, agreed=target, loss_of=loss_of, reuse=reuse) + (chosen,)
+
+                new, mix, partner = self.member.mix_safely(search, own=a.pre, extra=1)
+            partner = self._partner_label(result, partner)
+            self.member.record_mix("region", s.round, mix, partner=partner)
         minority = minority_group(result.gathered, group_size=result.group_size,
                                   target=self.averaging.target_group_size) if result.ok else None
         if minority is not None:
@@ -449,6 +523,7 @@ class RegionRound:
                                                 mix_lam=mix.lam if mix is not None else None,
                                                 mix_key_lam=mix.second_lam if mix is not None else None,
                                                 mix_reused=mix.reused if mix is not None else None, current=current,
+                                                partner=partner,
                                                 nice=nice,
                                                 gathered=result.gathered, post=self.member.params(), lost=lost,
                                                 personal=self.member.personal_params()
