@@ -1,0 +1,77 @@
+"""A swarm member's side of backbone partners (``region_backbone = "partners"``): which mates'
+contributions it takes, and which it leaves out (a fake averager stands in for hivemind's; the
+network path is tested in tests/network/test_swarm_simulator_equivalence.py)."""
+
+import math
+import types
+
+import torch
+
+from worldlm_p2p.config import AveragingConfig
+from worldlm_p2p.net.averaging import RoundResult
+from worldlm_p2p.peer.region_round import RegionRound
+from worldlm_p2p.rounds import RoundRule
+from worldlm_p2p.split import split_parameters
+
+NAMES = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"]
+SPLIT = split_parameters(NAMES, "embed_head")  # backbone = (1,)
+ANCHOR = [torch.zeros(4, 2), torch.zeros(3, 3), torch.zeros(4, 2)]
+
+
+class _FakeAverager:
+    def __init__(self, served: dict) -> None:
+        self.peer_id = "me"
+        self.served = served  # peer -> list of answers, one per download (the last repeats)
+        self.asked: list[str] = []
+
+    def download_contribution_from(self, peer: str, *, timeout: float):
+        self.asked.append(peer)
+        answers = self.served[peer]
+        return answers.pop(0) if len(answers) > 1 else answers[0]
+
+
+def _round(served: dict, *, cap: int = 6, round_index: int = 7) -> RegionRound:
+    rr = RegionRound.__new__(RegionRound)  # only what fetch_mates reads
+    rr.rule = RoundRule.of(SPLIT, region_backbone="partners", partner_candidates=cap)
+    rr.averaging = AveragingConfig(request_timeout=0.2, matchmaking_time=0.5, averaging_timeout=1.0)
+    rr.averager = _FakeAverager(served)
+    rr.stats = types.SimpleNamespace(round=round_index)
+    rr.stopping = lambda: False
+    return rr
+
+
+def test_a_member_takes_the_mates_that_serve_this_rounds_change_and_leaves_out_the_others(caplog) -> None:
+    good = [torch.full((3, 3), 0.5, dtype=torch.float16)]
+    meta = {"round": 7, "anchor": "abc"}
+    served = {
+        "good": [(meta, good)],
+        "late": [None, ({"round": 6, "anchor": "abc"}, good), (meta, [torch.ones(3, 3)])],  # catches up
+        "other-anchor": [({"round": 7, "anchor": "xyz"}, good)],
+        "ahead": [({"round": 8, "anchor": "abc"}, good)],
+        "nan": [(meta, [torch.full((3, 3), math.nan)])],
+        "shape": [(meta, [torch.zeros(2, 3)])],
+        "silent": [None],
+    }
+    gathered = {p: {"label": f"L-{p}"} for p in served} | {"me": {"label": "me"}, "relay": {"relay": True}}
+    result = RoundResult(ok=True, group_size=len(gathered) - 1, gathered=gathered, averaged=[])
+    rr = _round(served, cap=16)
+    with caplog.at_level("WARNING"):
+        mates = rr.fetch_mates(result, anchor=ANCHOR, digest="abc")
+    assert sorted(mates) == ["good", "late"]
+    assert mates["good"][0].dtype == torch.float32 and torch.equal(mates["good"][0], torch.full((3, 3), 0.5))
+    assert torch.equal(mates["late"][0], torch.ones(3, 3))
+    assert "me" not in rr.averager.asked and "relay" not in rr.averager.asked
+    text = caplog.text
+    for peer in ("other-anchor", "ahead", "nan", "shape", "silent"):
+        assert f"left out {peer} ('L-{peer}') as a backbone partner" in text, peer
+    assert "serves round 8 already" in text and "not finite" in text and "shape" in text
+
+
+def test_a_member_asks_only_the_window_of_mates_for_this_round() -> None:
+    meta = {"round": 3, "anchor": "abc"}
+    served = {f"m{i}": [(meta, [torch.zeros(3, 3)])] for i in range(5)}
+    gathered = {p: {} for p in served} | {"me": {}}
+    result = RoundResult(ok=True, group_size=6, gathered=gathered, averaged=[])
+    rr = _round(served, cap=2, round_index=3)  # windows of 2 over 5 mates: round 3 starts at 6 % 5 = 1
+    mates = rr.fetch_mates(result, anchor=ANCHOR, digest="abc")
+    assert sorted(mates) == ["m1", "m2"] and rr.averager.asked == ["m1", "m2"]
