@@ -90,6 +90,8 @@ ABLATIONS = {
     # each member's shared model takes the region's backbone or the mean of its own and one mate's,
     # whichever its tune slice prefers (aggregation.region_backbone = "partners")
     "partners": ["--region-backbone", "partners"],
+    # ... a pair taken only when it also beats the member's own backbone (partner_check = "self")
+    "partners-self": ["--region-backbone", "partners", "--partner-check", "self"],
     "world-fp16": ["--compress-world", "fp16"],  # leaders' models in fp16 in world rounds (issue 14)
     "mix-z2": ["--mix-z", "2"],
     # the defaults before 2026-12-04's study: K = k_proj/v_proj, one mixing weight for the whole model

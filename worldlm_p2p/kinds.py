@@ -28,6 +28,8 @@ PersonalModel = Literal["separate", "inline"]
 SharedModel = Literal["evidence", "agreed"]
 #: which backbone a worldlm member's shared model takes after a region round (:func:`worldlm_p2p.rounds.partner_target`)
 RegionBackbone = Literal["mean", "partners"]
+#: what a backbone partner's pair must beat on the member's tune slice (:func:`worldlm_p2p.rounds.choose_backbone`)
+PartnerCheck = Literal["region", "self"]
 #: the outer optimizer of region rounds (:mod:`worldlm_p2p.outer_optim`)
 OuterOptimizer = Literal["sgd", "nesterov"]
 #: how a region's (and the leaders') all-reduce combines its members' payloads (:mod:`worldlm_p2p.robust`)
@@ -47,6 +49,7 @@ PERSONAL_SCOPES: tuple[str, ...] = get_args(PersonalScope)
 PERSONAL_MODELS: tuple[str, ...] = get_args(PersonalModel)
 SHARED_MODELS: tuple[str, ...] = get_args(SharedModel)
 REGION_BACKBONES: tuple[str, ...] = get_args(RegionBackbone)
+PARTNER_CHECKS: tuple[str, ...] = get_args(PartnerCheck)
 OUTER_OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizer)
 ROBUST_RULES: tuple[str, ...] = get_args(RobustRule)
 WIRE_CODECS: tuple[str, ...] = get_args(WireCodec)

@@ -437,6 +437,9 @@ def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Se
 
 #: the name of the region's agreed backbone among a member's candidates (:func:`partner_candidates`)
 REGION_CANDIDATE = "region"
+#: the name of the member's own backbone (the one it sent) among its candidates, with
+#: ``partner_check = "self"``: a yardstick, never taken (:func:`choose_backbone`)
+SELF_CANDIDATE = "self"
 
 
 def sent_backbone(rule: RoundRule, payload: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -470,7 +473,8 @@ def partner_candidates(rule: RoundRule, *, anchor: Sequence[torch.Tensor], own: 
     :data:`REGION_CANDIDATE`, the region's agreed backbone (taken from the agreed model ``agreed``),
     and for each mate ``j`` of ``mates`` the pair ``anchor + (own + sent_j) / 2``, where ``own`` and
     ``sent_j`` are the backbone changes the member and the mate sent into the round
-    (:func:`sent_backbone`), in float32 and then in the anchor's dtype. Half and half, whatever
+    (:func:`sent_backbone`), in float32 and then in the anchor's dtype; with ``partner_check =
+    "self"`` also :data:`SELF_CANDIDATE`, ``anchor + own``. Half and half, whatever
     the tokens either claims: a pair is a candidate that the member's tune slice judges, and a mate
     cannot weigh itself in. A mate whose change does not fit the backbone (another number or shape
     of tensors, or values that are not finite) raises ValueError: check with
@@ -479,9 +483,12 @@ def partner_candidates(rule: RoundRule, *, anchor: Sequence[torch.Tensor], own: 
     if len(own) != len(base):
         raise ValueError(f"the member's own change has {len(own)} tensors, the backbone {len(base)}")
     out = {REGION_CANDIDATE: [t.detach().clone() for t in rule.backbone(agreed)]}
+    if rule.config.partner_check == "self":
+        out[SELF_CANDIDATE] = [(a.detach().to(torch.float32) + o.detach().to(torch.float32)).to(a.dtype)
+                               for a, o in zip(base, own)]
     for name in sorted(mates):
-        if name == REGION_CANDIDATE:
-            raise ValueError(f"{REGION_CANDIDATE!r} is the region's candidate, not a mate's name")
+        if name in (REGION_CANDIDATE, SELF_CANDIDATE):
+            raise ValueError(f"{name!r} names a member's own candidate, not a mate")
         problem = check_sent_backbone(rule, anchor, mates[name])
         if problem:
             raise ValueError(f"mate {name}: {problem}")
@@ -510,8 +517,10 @@ def choose_backbone(rule: RoundRule, candidates: Mapping[str, Sequence[torch.Ten
     evaluated with the member's own key layers (those of ``own``, its model before the round), and
     every candidate's loss. Ties, and losses that are not finite, go to :data:`REGION_CANDIDATE`,
     then to the first name in sorted order, so the choice does not depend on the order the
-    candidates are given in. Like every search it leaves the last parameters tried wherever
-    ``loss_of`` loads them."""
+    candidates are given in. :data:`SELF_CANDIDATE`, when given, is never chosen: a pair is taken
+    only when its loss is also below the member's own backbone's (and a member whose own backbone
+    has no finite loss takes the region's). Like every search it leaves the last parameters tried
+    wherever ``loss_of`` loads them."""
     if REGION_CANDIDATE not in candidates:
         raise ValueError(f"the candidates must include the region's ({REGION_CANDIDATE!r})")
     own_key = rule.split.take_key(own)
@@ -520,8 +529,14 @@ def choose_backbone(rule: RoundRule, candidates: Mapping[str, Sequence[torch.Ten
     for name in names:
         model = rule.split.merge([t.detach().clone() for t in candidates[name]], [t.detach().clone() for t in own_key])
         losses[name] = mixing.mean_loss(loss_of(model))
-    best = min(names, key=lambda n: (losses[n] if math.isfinite(losses[n]) else math.inf, names.index(n)))
-    return best, losses
+    def rank(n: str) -> tuple[float, int]:
+        return losses[n] if math.isfinite(losses[n]) else math.inf, names.index(n)
+
+    eligible = [n for n in names if n != SELF_CANDIDATE]
+    if SELF_CANDIDATE in losses:  # a pair must beat the member's own backbone as well
+        bar = losses[SELF_CANDIDATE] if math.isfinite(losses[SELF_CANDIDATE]) else -math.inf
+        eligible = [n for n in eligible if n == REGION_CANDIDATE or losses[n] < bar]
+    return min(eligible, key=rank), losses
 
 
 def partner_target(rule: RoundRule, *, agreed: Sequence[torch.Tensor], own: Sequence[torch.Tensor],

@@ -1045,6 +1045,11 @@ def test_partner_candidates_are_the_region_backbone_and_half_and_half_pairs_hand
     mate = [T([1.5, 2.0, 1.0]), torch.full((2, 3), -0.25)]
     out = partner_candidates(rule, anchor=anchor, own=own, mates={"b": mate}, agreed=agreed)
     assert list(out) == [REGION_CANDIDATE, "b"]
+    with_self = partner_candidates(RoundRule.of(SPLIT, region_backbone="partners", partner_check="self"),
+                                   anchor=anchor, own=own, mates={"b": mate}, agreed=agreed)
+    assert torch.equal(with_self["self"][0], T([1.5, 2.0, 2.0])) and torch.equal(with_self["self"][1], torch.full((2, 3), 1.25))
+    with pytest.raises(ValueError, match="own candidate"):
+        partner_candidates(rule, anchor=anchor, own=own, mates={"self": mate}, agreed=agreed)
     assert torch.equal(out[REGION_CANDIDATE][0], agreed[0]) and torch.equal(out[REGION_CANDIDATE][1], agreed[3])
     # anchor + (own + mate) / 2: [1 + 1, 2 + 1, 3 + 0] and 1 + 0
     assert torch.equal(out["b"][0], T([2.0, 3.0, 3.0])) and torch.equal(out["b"][1], torch.ones(2, 3))
@@ -1086,6 +1091,14 @@ def test_choose_backbone_takes_the_lowest_slice_loss_whatever_the_order_and_the_
     assert choose_backbone(rule, cands, own=own, loss_of=lambda p: math.nan)[0] == REGION_CANDIDATE
     with pytest.raises(ValueError, match="region"):
         choose_backbone(rule, {"b": cands["b"]}, own=own, loss_of=lambda p: 1.0)
+    # partner_check = "self": a pair must also beat the member's own backbone, which is never taken
+    from worldlm_p2p.rounds import SELF_CANDIDATE
+    with_self = dict(cands, **{SELF_CANDIDATE: [torch.full((3,), 1.5), torch.full((2, 3), 1.5)]})
+    assert choose_backbone(rule, with_self, own=own, loss_of=wants(1.9, []))[0] == "a"  # 0.1 from a, 0.4 from self
+    assert choose_backbone(rule, with_self, own=own, loss_of=wants(1.6, []))[0] == REGION_CANDIDATE  # self nearest
+    name, losses = choose_backbone(rule, with_self, own=own, loss_of=wants(0.9, []))
+    assert name == "b" and set(losses) == {REGION_CANDIDATE, SELF_CANDIDATE, "a", "b"}  # b 0.1 < self 0.6
+    assert choose_backbone(rule, with_self, own=own, loss_of=wants(-5.0, []))[0] == REGION_CANDIDATE
 
 
 def test_a_member_with_no_useful_partner_moves_towards_the_regions_agreed_model() -> None:

@@ -81,6 +81,8 @@ FLAGS = (
                                            "its mean with one mate's, whichever its tune slice prefers)"),
     Flag("aggregation", "partner_candidates", "with --region-backbone partners: the most mates a member evaluates "
                                               "per round"),
+    Flag("aggregation", "partner_check", "with --region-backbone partners: what a pair must beat on the tune slice: "
+                                         "region (the region's backbone; default) or self (also the member's own)"),
     Flag("aggregation", "outer", "outer optimizer"),
     Flag("aggregation", "outer_lr", "outer learning rate"),
     Flag("aggregation", "outer_momentum", "Nesterov momentum"),

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from worldlm_p2p.errors import ConfigError
 from worldlm_p2p.kinds import (ATTENTION_FORMS, MIX_RULES, OUTER_OPTIMIZERS, PERSONAL_MODELS, PERSONAL_SCOPES, REGION_BACKBONES,
-                               ROBUST_RULES, RegionBackbone,
+                               PARTNER_CHECKS, ROBUST_RULES, PartnerCheck, RegionBackbone,
                                RESIDUAL_ATTENTIONS, ROUND_SCHEDULES, SHARED_MODELS, STRATEGY_NAMES, SWARM_STRATEGIES, WIRE_CODECS, WORLD_TARGETS,
                                AttentionForm, MixRule, OuterOptimizer, PersonalModel, PersonalScope, ResidualAttention, RobustRule, RoundSchedule,
                                SharedModel, StrategyName, WireCodec, WorldTarget)
@@ -253,6 +253,11 @@ class AggregationConfig:
     - ``partner_candidates``: with ``region_backbone = "partners"``, the most region mates a member
       evaluates per round; in a larger group it takes a window of its mates (sorted by id) that
       moves on by this many every round (:func:`worldlm_p2p.rounds.partner_mates`).
+    - ``partner_check``: with ``region_backbone = "partners"``, what a pair must beat on the
+      member's tune slice to be taken. ``"region"``: the region's backbone. ``"self"``: the
+      region's and the member's own backbone (the one it sent), one more evaluation, so that a
+      pair is taken only where the mate adds to what the member learnt itself (a pair holds half
+      of the member's own backbone, which its own slice tends to prefer whoever the mate is).
     - ``personal_tau``: the temperature of ``mix = "cosine"``.
     - ``evidence_share``: with ``mix = "evidence"``, the share of a member's compute its evidence
       searches may take, in forward passes (0, the default: a search at every round). Above 0 a
@@ -324,6 +329,7 @@ class AggregationConfig:
     shared_model: SharedModel = "evidence"
     region_backbone: RegionBackbone = "mean"
     partner_candidates: int = 6
+    partner_check: PartnerCheck = "region"
     outer: OuterOptimizer = "sgd"
     outer_lr: float = 1.0  # 1.0 with sgd = plain FedAvg: adopt the averaged model
     outer_momentum: float = 0.9  # nesterov only
@@ -376,6 +382,8 @@ class AggregationConfig:
                  f"{self.region_backbone!r} is not one of {', '.join(REGION_BACKBONES)}")
         _require(self.region_backbone == "mean" or self.mix == "evidence", "aggregation.region_backbone",
                  "\"partners\" is chosen by evidence: it needs mix = \"evidence\"")
+        _require(self.partner_check in PARTNER_CHECKS, "aggregation.partner_check",
+                 f"{self.partner_check!r} is not one of {', '.join(PARTNER_CHECKS)}")
         _require(isinstance(self.partner_candidates, int) and not isinstance(self.partner_candidates, bool)
                  and 1 <= self.partner_candidates <= 64, "aggregation.partner_candidates",
                  "must be an integer in [1, 64], e.g. 6")
