@@ -52,7 +52,8 @@ def test_a_member_takes_the_mates_that_serve_this_rounds_change_and_leaves_out_t
         "shape": [(meta, [torch.zeros(2, 3)])],
         "silent": [None],
     }
-    gathered = {p: {"label": f"L-{p}"} for p in served} | {"me": {"label": "me"}, "relay": {"relay": True}}
+    gathered = {p: {"label": f"L-{p}"} for p in served} | {"me": {"label": "me"}, "relay": {"relay": True},
+                                                            "outbound": {"label": "o", "outbound": True}}
     result = RoundResult(ok=True, group_size=len(gathered) - 1, gathered=gathered, averaged=[])
     rr = _round(served, cap=16)
     with caplog.at_level("WARNING"):
@@ -60,7 +61,7 @@ def test_a_member_takes_the_mates_that_serve_this_rounds_change_and_leaves_out_t
     assert sorted(mates) == ["good", "late"]
     assert mates["good"][0].dtype == torch.float32 and torch.equal(mates["good"][0], torch.full((3, 3), 0.5))
     assert torch.equal(mates["late"][0], torch.ones(3, 3))
-    assert "me" not in rr.averager.asked and "relay" not in rr.averager.asked
+    assert not {"me", "relay", "outbound"} & set(rr.averager.asked)  # (an outbound-only mate serves nothing)
     text = caplog.text
     for peer in ("other-anchor", "ahead", "nan", "shape", "silent"):
         assert f"left out {peer} ('L-{peer}') as a backbone partner" in text, peer

@@ -383,18 +383,23 @@ class RegionRound:
     # ------------------------------------------------------------------ backbone partners
     def fetch_mates(self, result: RoundResult, *, anchor: list[torch.Tensor], digest: str) -> dict[str, list[torch.Tensor]]:
         """What the mates :func:`worldlm_p2p.rounds.partner_mates` picks from the round's group sent
-        into it (their backbone changes, served by their averagers), by peer id: a mate that does not
-        serve it within the round's averaging timeout (all mates together), serves another round's or
+        into it (their backbone changes, served by their averagers), by peer id. Outbound-only mates
+        serve nothing and are not asked. A mate serves what it sent before the all-reduce starts,
+        so one that has not served it within a few seconds (``2 x request_timeout``, at least 2 s;
+        all mates together within the round's averaging timeout), serves another round's or
         anchor's, or something that does not fit the backbone is left out (logged)."""
         me = str(self.averager.peer_id)
-        mates = [p for p, g in result.gathered.items() if p != me and not is_relay_gather(g)]
+        mates = [p for p, g in result.gathered.items() if p != me and not is_relay_gather(g)
+                 and not (isinstance(g, dict) and g.get("outbound") is True)]
         picked = rounds.partner_mates(mates, cap=self.rule.config.partner_candidates, round_index=self.stats.round)
         deadline = time.monotonic() + self.averaging.averaging_timeout
+        patience = max(2.0, 2 * self.averaging.request_timeout)
         out: dict[str, list[torch.Tensor]] = {}
         for peer in picked:
             why = ""
+            own_deadline = min(deadline, time.monotonic() + patience)
             while True:
-                left = deadline - time.monotonic()
+                left = own_deadline - time.monotonic()
                 if left <= 0 or self.stopping():
                     why = why or "it did not serve it in time"
                     break
