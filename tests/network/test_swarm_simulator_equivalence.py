@@ -102,7 +102,14 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+# in CI: the defaults and the evidence budget; the options (backbone partners; a shared model that adopts,
+# with K's rows by usage) with pytest -m extended: their pure rounds are in tests/unit (partners' mates
+# with a fake averager: tests/unit/test_backbone_partners.py)
+EXTENDED = ("partners", "agreed-usage")
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.extended) if v in EXTENDED else v
+                                     for v in VARIANTS])
 def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path, variant):
     aggregation, n_rounds = VARIANTS[variant]
     last = n_rounds - 1  # the round compared in full (every earlier one shaped its inputs)
