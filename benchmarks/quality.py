@@ -92,6 +92,9 @@ ABLATIONS = {
     "partners": ["--region-backbone", "partners"],
     # ... a pair taken only when it also beats the member's own backbone (partner_check = "self")
     "partners-self": ["--region-backbone", "partners", "--partner-check", "self"],
+    # ... and the member's own backbone half and half with the region's as one more candidate
+    # (aggregation.partner_own_half)
+    "partners-own-half": ["--region-backbone", "partners", "--partner-own-half"],
     "world-fp16": ["--compress-world", "fp16"],  # leaders' models in fp16 in world rounds (issue 14)
     "mix-z2": ["--mix-z", "2"],
     # the defaults before 2026-12-04's study: K = k_proj/v_proj, one mixing weight for the whole model

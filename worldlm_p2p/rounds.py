@@ -440,6 +440,9 @@ REGION_CANDIDATE = "region"
 #: the name of the member's own backbone (the one it sent) among its candidates, with
 #: ``partner_check = "self"``: a yardstick, never taken (:func:`choose_backbone`)
 SELF_CANDIDATE = "self"
+#: the name of the member's own backbone half and half with the region's among its candidates, with
+#: ``partner_own_half`` (:func:`partner_candidates`)
+OWN_HALF_CANDIDATE = "own-half"
 
 
 def sent_backbone(rule: RoundRule, payload: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -474,7 +477,8 @@ def partner_candidates(rule: RoundRule, *, anchor: Sequence[torch.Tensor], own: 
     and for each mate ``j`` of ``mates`` the pair ``anchor + (own + sent_j) / 2``, where ``own`` and
     ``sent_j`` are the backbone changes the member and the mate sent into the round
     (:func:`sent_backbone`), in float32 and then in the anchor's dtype; with ``partner_check =
-    "self"`` also :data:`SELF_CANDIDATE`, ``anchor + own``. Half and half, whatever
+    "self"`` also :data:`SELF_CANDIDATE`, ``anchor + own``; with ``partner_own_half`` also
+    :data:`OWN_HALF_CANDIDATE`, ``anchor + (own + (region - anchor)) / 2``. Half and half, whatever
     the tokens either claims: a pair is a candidate that the member's tune slice judges, and a mate
     cannot weigh itself in. A mate whose change does not fit the backbone (another number or shape
     of tensors, or values that are not finite) raises ValueError: check with
@@ -486,8 +490,12 @@ def partner_candidates(rule: RoundRule, *, anchor: Sequence[torch.Tensor], own: 
     if rule.config.partner_check == "self":
         out[SELF_CANDIDATE] = [(a.detach().to(torch.float32) + o.detach().to(torch.float32)).to(a.dtype)
                                for a, o in zip(base, own)]
+    if rule.config.partner_own_half:
+        out[OWN_HALF_CANDIDATE] = [(a.detach().to(torch.float32) + 0.5 * (o.detach().to(torch.float32) + (
+            g.detach().to(torch.float32) - a.detach().to(torch.float32)))).to(a.dtype)
+                                   for a, o, g in zip(base, own, out[REGION_CANDIDATE])]
     for name in sorted(mates):
-        if name in (REGION_CANDIDATE, SELF_CANDIDATE):
+        if name in (REGION_CANDIDATE, SELF_CANDIDATE, OWN_HALF_CANDIDATE):
             raise ValueError(f"{name!r} names a member's own candidate, not a mate")
         problem = check_sent_backbone(rule, anchor, mates[name])
         if problem:

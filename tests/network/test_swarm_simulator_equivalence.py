@@ -93,10 +93,12 @@ def _start_together(procs: Procs, tmp, maddrs, *, max_steps: int = H, timeout: f
 # searches over budget) takes the first's weights again, in the swarm as in the simulator, with
 # WorldLM's distance attention over K (the default K rule is the plain mean); and backbone partners:
 # each member serves the backbone change it sent, downloads its two mates', and takes the region's
-# backbone or its pair with one mate, whichever its tune slice prefers
+# backbone or its pair with one mate, whichever its tune slice prefers (with partner_own_half, or its
+# own half and half with the region's)
 VARIANTS = {
     "defaults": ("", 1),
     "partners": ('region_backbone = "partners"', 1),
+    "partners-own-half": ('region_backbone = "partners"\npartner_own_half = true', 1),
     "agreed-usage": ('shared_model = "agreed"\nusage_rows = true', 1),
     "evidence-budget": ('evidence_share = 0.05\nattention = "distance"', 2),
 }
@@ -105,7 +107,7 @@ VARIANTS = {
 # in CI: the defaults and the evidence budget; the options (backbone partners; a shared model that adopts,
 # with K's rows by usage) with pytest -m extended: their pure rounds are in tests/unit (partners' mates
 # with a fake averager: tests/unit/test_backbone_partners.py)
-EXTENDED = ("partners", "agreed-usage")
+EXTENDED = ("partners", "partners-own-half", "agreed-usage")
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.extended) if v in EXTENDED else v
@@ -189,7 +191,7 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path, var
             assert not rounds[label][0]["mix_reused"] and t["mix_lam"] == rounds[label][0]["mix_lam"], label
         # the backbone it took: the region's, or its pair with the same mate as in the simulator
         assert t["partner"] == rec.get("partner"), (label, t["partner"], rec.get("partner"))
-        assert (t["partner"] is not None) == (variant == "partners"), label
+        assert (t["partner"] is not None) == variant.startswith("partners"), label
         if variant == "agreed-usage":  # the shared model is the agreed one, K included
             assert rec["lam"] == 1 and max_abs_diff(t["post"], t["agreed"]) < 1e-7, label
         personal = [m for m in mixes if m["kind"] == "personal"][last]
@@ -197,7 +199,7 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path, var
         assert bool(personal.get("reused")) == (variant == "evidence-budget"), label
         err = max_abs_diff(t["personal"], sim_personal[label])
         assert err < 1e-5, (label, err)
-    if variant == "partners":  # (the pairs were tried: with these texts at least one member takes one)
+    if variant.startswith("partners"):  # (the candidates were tried: with these texts one member takes one)
         assert any(t["partner"] not in (None, "region") for t in group), [t["partner"] for t in group]
     if variant == "agreed-usage":
         # the counts made a difference: the pure round on the swarm's own inputs gives its agreed model

@@ -32,3 +32,17 @@ def test_robust_settings_are_checked():
         RunManifest.from_dict({"run_id": "x", "aggregation": {"robust_clip": 0.5}})
     with pytest.raises(ConfigError, match="averaging.ban_after"):
         RunManifest.from_dict({"run_id": "x", "averaging": {"ban_after": 0}})
+
+
+def test_backbone_partner_settings_are_checked():
+    def agg(**kw):
+        return RunManifest.from_dict({"run_id": "x", "aggregation": kw}).aggregation
+    assert agg(region_backbone="partners", partner_own_half=True).partner_own_half is True
+    with pytest.raises(ConfigError, match="aggregation.partner_own_half"):
+        agg(region_backbone="partners", partner_own_half="yes")
+    with pytest.raises(ConfigError, match="aggregation.partner_candidates"):
+        agg(region_backbone="partners", partner_candidates=0)
+    with pytest.raises(ConfigError, match="aggregation.partner_check"):
+        agg(region_backbone="partners", partner_check="mate")
+    with pytest.raises(ConfigError, match="aggregation.region_backbone"):
+        agg(region_backbone="partners", mix="none")

@@ -1063,6 +1063,37 @@ def test_partner_candidates_are_the_region_backbone_and_half_and_half_pairs_hand
                            agreed=agreed)
 
 
+def test_the_own_half_candidate_is_the_members_change_half_and_half_with_the_regions_hand_computed() -> None:
+    from worldlm_p2p.rounds import OWN_HALF_CANDIDATE, REGION_CANDIDATE, choose_backbone, partner_candidates
+
+    rule = RoundRule.of(SPLIT, region_backbone="partners", partner_own_half=True)
+    anchor = [T([1.0, 2.0, 3.0]), torch.zeros(2, 2), torch.zeros(2), torch.ones(2, 3)]
+    agreed = [T([3.0, 2.0, 1.0]), torch.ones(2, 2), torch.ones(2), torch.full((2, 3), 2.0)]  # region's change: [2, 0, -2], 1
+    own = [T([0.5, 0.0, -1.0]), torch.full((2, 3), 0.25)]
+    mate = [T([1.5, 2.0, 1.0]), torch.full((2, 3), -0.25)]
+    out = partner_candidates(rule, anchor=anchor, own=own, mates={"b": mate}, agreed=agreed)
+    assert list(out) == [REGION_CANDIDATE, OWN_HALF_CANDIDATE, "b"]
+    # anchor + (own + region's change) / 2: [1 + 1.25, 2 + 0, 3 - 1.5] and 1 + 0.625
+    assert torch.equal(out[OWN_HALF_CANDIDATE][0], T([2.25, 2.0, 1.5]))
+    assert torch.equal(out[OWN_HALF_CANDIDATE][1], torch.full((2, 3), 1.625))
+    # a member whose own change is the region's gets the region's backbone back as its own half
+    same = partner_candidates(rule, anchor=anchor, own=[T([2.0, 0.0, -2.0]), torch.ones(2, 3)], mates={}, agreed=agreed)
+    assert all(torch.equal(x, y) for x, y in zip(same[OWN_HALF_CANDIDATE], same[REGION_CANDIDATE]))
+    # it is chosen like a pair: the lowest slice loss; ties go to the region's
+    own_model = _model(torch.Generator().manual_seed(4))
+
+    def wants(target):
+        return lambda p: float(sum((p[i] - t).pow(2).sum() for i, t in zip(SPLIT.backbone, target)))
+    assert choose_backbone(rule, out, own=own_model, loss_of=wants(out[OWN_HALF_CANDIDATE]))[0] == OWN_HALF_CANDIDATE
+    assert choose_backbone(rule, out, own=own_model, loss_of=wants(out["b"]))[0] == "b"
+    assert choose_backbone(rule, same, own=own_model, loss_of=wants(same[REGION_CANDIDATE]))[0] == REGION_CANDIDATE
+    with pytest.raises(ValueError, match="own candidate"):
+        partner_candidates(rule, anchor=anchor, own=own, mates={OWN_HALF_CANDIDATE: mate}, agreed=agreed)
+    # off by default
+    assert OWN_HALF_CANDIDATE not in partner_candidates(RoundRule.of(SPLIT, region_backbone="partners"), anchor=anchor,
+                                                        own=own, mates={"b": mate}, agreed=agreed)
+
+
 def test_choose_backbone_takes_the_lowest_slice_loss_whatever_the_order_and_the_region_on_ties() -> None:
     from worldlm_p2p.rounds import REGION_CANDIDATE, choose_backbone
 

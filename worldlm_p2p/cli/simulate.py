@@ -83,6 +83,8 @@ FLAGS = (
                                               "per round"),
     Flag("aggregation", "partner_check", "with --region-backbone partners: what a pair must beat on the tune slice: "
                                          "region (the region's backbone; default) or self (also the member's own)"),
+    Flag("aggregation", "partner_own_half", "with --region-backbone partners: the member's own backbone half and "
+                                            "half with the region's is a candidate too"),
     Flag("aggregation", "outer", "outer optimizer"),
     Flag("aggregation", "outer_lr", "outer learning rate"),
     Flag("aggregation", "outer_momentum", "Nesterov momentum"),

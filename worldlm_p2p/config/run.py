@@ -258,6 +258,10 @@ class AggregationConfig:
       region's and the member's own backbone (the one it sent), one more evaluation, so that a
       pair is taken only where the mate adds to what the member learnt itself (a pair holds half
       of the member's own backbone, which its own slice tends to prefer whoever the mate is).
+    - ``partner_own_half``: with ``region_backbone = "partners"``, one more candidate: the mean of
+      the backbone the member sent and the region's, half and half (``"own-half"``), so that a pair
+      is taken only where the mate does better as the other half than the region does, and a
+      member whose mates are unrelated can still keep half of what it learnt.
     - ``personal_tau``: the temperature of ``mix = "cosine"``.
     - ``evidence_share``: with ``mix = "evidence"``, the share of a member's compute its evidence
       searches may take, in forward passes (0, the default: a search at every round). Above 0 a
@@ -330,6 +334,7 @@ class AggregationConfig:
     region_backbone: RegionBackbone = "mean"
     partner_candidates: int = 6
     partner_check: PartnerCheck = "region"
+    partner_own_half: bool = False
     outer: OuterOptimizer = "sgd"
     outer_lr: float = 1.0  # 1.0 with sgd = plain FedAvg: adopt the averaged model
     outer_momentum: float = 0.9  # nesterov only
@@ -384,6 +389,7 @@ class AggregationConfig:
                  "\"partners\" is chosen by evidence: it needs mix = \"evidence\"")
         _require(self.partner_check in PARTNER_CHECKS, "aggregation.partner_check",
                  f"{self.partner_check!r} is not one of {', '.join(PARTNER_CHECKS)}")
+        _require(isinstance(self.partner_own_half, bool), "aggregation.partner_own_half", "must be true or false")
         _require(isinstance(self.partner_candidates, int) and not isinstance(self.partner_candidates, bool)
                  and 1 <= self.partner_candidates <= 64, "aggregation.partner_candidates",
                  "must be an integer in [1, 64], e.g. 6")
