@@ -95,6 +95,9 @@ ABLATIONS = {
     # ... and the member's own backbone half and half with the region's as one more candidate
     # (aggregation.partner_own_half)
     "partners-own-half": ["--region-backbone", "partners", "--partner-own-half"],
+    # ... with at most 2 mates evaluated per round (a window that moves on every round): a third of
+    # the downloads of the default 6 in a region of 7
+    "partners-own-half-c2": ["--region-backbone", "partners", "--partner-own-half", "--partner-candidates", "2"],
     "world-fp16": ["--compress-world", "fp16"],  # leaders' models in fp16 in world rounds (issue 14)
     "mix-z2": ["--mix-z", "2"],
     # the defaults before 2026-12-04's study: K = k_proj/v_proj, one mixing weight for the whole model

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.network, pytest.mark.slow]  # several peer processes
 MALICIOUS = Path(__file__).resolve().parents[2] / "benchmarks" / "malicious_peer.py"
 DEMO = Path(__file__).resolve().parents[2] / "worldlm_p2p" / "demo_data"
 HONEST = (("eu-a", "de_news-reviews-wiki"), ("eu-b", "es_blog-news-reviews-wiki"))
-STEPS = 40
+STEPS = 30  # 6 region rounds of 5 steps
 MANY = 100_000  # the single-peer region trains until it is told to stop
 
 

@@ -46,11 +46,11 @@ def test_a_peer_twice_as_slow_neither_stalls_the_other_nor_is_left_out(procs, tm
                                 aggregation='schedule = "tokens"\noverlap = true')
     # both emulate slower devices (sleeping, so a loaded machine's CPU time is not the limit): a step of
     # the tiny model takes milliseconds, a round on a busy CI machine up to a second or two, and at full
-    # speed the fast peer could finish its 80 steps within two rounds
-    fast = start_peer(procs, tmp_path, maddrs, region="eu", sub="de_news-reviews-wiki", label="fast", max_steps=80,
+    # speed the fast peer could finish its 60 steps within two rounds
+    fast = start_peer(procs, tmp_path, maddrs, region="eu", sub="de_news-reviews-wiki", label="fast", max_steps=60,
                       extra=["--wait-for-peers", "2", "--slowdown", "4"])
     slow = start_peer(procs, tmp_path, maddrs, region="eu", sub="es_blog-news-reviews-wiki", label="slow",
-                      max_steps=80, extra=["--wait-for-peers", "2", "--slowdown", "8", "--background-nice", "7"])
+                      max_steps=60, extra=["--wait-for-peers", "2", "--slowdown", "8", "--background-nice", "7"])
     base = os.getpriority(os.PRIO_PROCESS, 0)
     background = max(base, 7)  # (an absolute nice value; one already lower in priority stays)
     wait_for(lambda: slow.poll() is not None or "run at nice 7" in (tmp_path / "logs" / "slow.log").read_text(),
@@ -78,13 +78,13 @@ def test_a_peer_twice_as_slow_neither_stalls_the_other_nor_is_left_out(procs, tm
     # H steps each, which is what the step schedule would have made of them
     ratios.sort()
     assert ratios[len(ratios) // 2] > 1.3, ratios
-    # the fast peer was not held to the slow one's pace: it finished its 80 steps while the slow one,
+    # the fast peer was not held to the slow one's pace: it finished its 60 steps while the slow one,
     # at about half its speed, had made far fewer (it then trained on alone)
     s_fast, s_slow = summary(tmp_path, "fast"), summary(tmp_path, "slow")
-    assert s_fast["steps"] == 80 and s_slow["steps"] == 80
+    assert s_fast["steps"] == 60 and s_slow["steps"] == 60
     slow_at_fast_end = max(t["step"] for t in traces(tmp_path, "slow").values()
                            if any(m["label"] == "fast" for m in t["gathered"].values()))
-    assert slow_at_fast_end < 65, slow_at_fast_end
+    assert slow_at_fast_end < 49, slow_at_fast_end  # (held to its pace: about 60)
     assert s_fast["rounds_completed"] >= 3 and s_slow["rounds_completed"] >= 3
     # the rounds' network parts ran in threads at the slow member's background priority, and at the
     # training's own in the fast one

@@ -104,10 +104,11 @@ VARIANTS = {
 }
 
 
-# in CI: the defaults and the evidence budget; the options (backbone partners; a shared model that adopts,
-# with K's rows by usage) with pytest -m extended: their pure rounds are in tests/unit (partners' mates
-# with a fake averager: tests/unit/test_backbone_partners.py)
-EXTENDED = ("partners", "partners-own-half", "agreed-usage")
+# in CI: the defaults; the options (backbone partners; a shared model that adopts, with K's rows by
+# usage; the evidence budget) with pytest -m extended: their pure rounds are in tests/unit (partners'
+# mates with a fake averager: tests/unit/test_backbone_partners.py; the budget's reuse of the last
+# weights in the simulator: tests/unit/test_simulate.py)
+EXTENDED = ("partners", "partners-own-half", "agreed-usage", "evidence-budget")
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.extended) if v in EXTENDED else v
