@@ -87,17 +87,21 @@ ABLATIONS = {
     "tune-8k": ["--tune-tokens", "8192"],
     "world-full": ["--mix-world-max", "1"],
     "world-attn": ["--world-target", "attention"],
+    # the region's agreed backbone for every member's shared model: the defaults until 2026-12-07
+    # (twentieth session), when backbone partners with the own half became the default
+    "mean-backbone": ["--region-backbone", "mean"],
     # each member's shared model takes the region's backbone or the mean of its own and one mate's,
-    # whichever its tune slice prefers (aggregation.region_backbone = "partners")
-    "partners": ["--region-backbone", "partners"],
+    # whichever its tune slice prefers (aggregation.region_backbone = "partners", without the own half)
+    "partners": ["--region-backbone", "partners", "--no-partner-own-half"],
     # ... a pair taken only when it also beats the member's own backbone (partner_check = "self")
-    "partners-self": ["--region-backbone", "partners", "--partner-check", "self"],
+    "partners-self": ["--region-backbone", "partners", "--no-partner-own-half", "--partner-check", "self"],
     # ... and the member's own backbone half and half with the region's as one more candidate
-    # (aggregation.partner_own_half)
-    "partners-own-half": ["--region-backbone", "partners", "--partner-own-half"],
+    # (aggregation.partner_own_half): the defaults since 2026-12-07, so these runs are the defaults'
+    # (kept for the earlier tables)
+    "partners-own-half": ["--region-backbone", "partners"],
     # ... with at most 2 mates evaluated per round (a window that moves on every round): a third of
-    # the downloads of the default 6 in a region of 7
-    "partners-own-half-c2": ["--region-backbone", "partners", "--partner-own-half", "--partner-candidates", "2"],
+    # the downloads of 6 in a region of 7
+    "partners-own-half-c2": ["--region-backbone", "partners", "--partner-candidates", "2"],
     "world-fp16": ["--compress-world", "fp16"],  # leaders' models in fp16 in world rounds (issue 14)
     "mix-z2": ["--mix-z", "2"],
     # the defaults before 2026-12-04's study: K = k_proj/v_proj, one mixing weight for the whole model
@@ -125,6 +129,10 @@ ABLATIONS = {
     "evidence-20pct": ["--evidence-share", "0.2"],
 }
 DEFAULT_ABLATIONS = ("mix-none", "K-distance", "no-residual")  # the others on request (--ablations)
+#: which defaults of the product a worldlm run's name says it ran with (the runs of a --workdir made
+#: under other defaults are not reused): "d1207", backbone partners with the own half, since
+#: 2026-12-07; the runs before it carry no tag
+WORLDLM_DEFAULTS = "d1207"
 
 
 @dataclass(frozen=True)
@@ -147,7 +155,9 @@ class Run:
         made with other settings."""
         shape = f"r{self.budget.rounds}h{self.budget.local_steps}.{args.model}.b{args.batch_size}x{args.seq_len}." \
                 f"e{args.eval_tokens}"
-        return f"{self.corpus}.{shape}.{self.variant.replace(':', '_')}.s{self.seed}"
+        # a worldlm run (an ablation is the defaults and its flags) names the product's defaults it ran
+        defaults = f".{WORLDLM_DEFAULTS}" if self.variant.startswith("worldlm") else ""
+        return f"{self.corpus}.{shape}.{self.variant.replace(':', '_')}{defaults}.s{self.seed}"
 
 
 def plan(args) -> list[Run]:

@@ -213,6 +213,27 @@ def mixed_by_evidence(rule, pre, target, *, lam, key_lam) -> list:
     return [(p.double() + x * (q.double() - p.double())).to(p.dtype) for p, q, x in zip(pre, target, w)]
 
 
+def partner_target_of(rule, t: dict, group: list[dict], agreed: list) -> list:
+    """What member ``t`` of a region round's ``group`` (their traces) moved towards: the region's
+    agreed model, or with backbone partners (:attr:`worldlm_p2p.rounds.RoundRule.backbone_partners`)
+    the candidate its trace names (``partner``), rebuilt by :func:`worldlm_p2p.rounds.partner_candidates`
+    from what each member sent (:func:`worldlm_p2p.rounds.sent_backbone` of its pre-round model),
+    with the agreed key layers. The choice itself is the simulator equivalence test's subject."""
+    from worldlm_p2p.rounds import REGION_CANDIDATE, partner_candidates, region_payload, sent_backbone
+
+    name = t.get("partner")
+    if not rule.backbone_partners or name in (None, REGION_CANDIDATE):
+        return agreed
+
+    def sent(x: dict) -> list:
+        return sent_backbone(rule, region_payload(rule, x["pre"], x["anchor"]))
+
+    mates = {m["label"]: sent(m) for m in group if m["label"] == name and m is not t}
+    candidates = partner_candidates(rule, anchor=t["anchor"], own=sent(t), mates=mates, agreed=agreed)
+    assert name in candidates, (t["label"], name, sorted(candidates))
+    return rule.split.merge(candidates[name], rule.split.take_key(agreed))
+
+
 def round_error(group: list[dict], rule=None) -> float:
     """Largest distance between a member's post-round model and what the pure round function
     (:func:`worldlm_p2p.rounds.region_round_with_anchor`) computes centrally from the members'
@@ -229,7 +250,8 @@ def round_error(group: list[dict], rule=None) -> float:
     errors = []
     for t, ref in zip(group, refs):
         if rule.evidence:
-            ref = mixed_by_evidence(rule, t["pre"], agreed, lam=t.get("mix_lam"), key_lam=t.get("mix_key_lam"))
+            target = partner_target_of(rule, t, group, agreed)
+            ref = mixed_by_evidence(rule, t["pre"], target, lam=t.get("mix_lam"), key_lam=t.get("mix_key_lam"))
             if t.get("agreed") is not None:
                 errors.append(max_abs_diff(t["agreed"], agreed))
         if t.get("current") is not None:  # an overlapped round: applied one round stale

@@ -77,6 +77,8 @@ def test_a_malicious_member_moves_no_model_and_is_banned(procs, tmp_path, attack
 
     from worldlm_p2p.aggregation import max_round_weight
 
+    from worldlm_p2p.rounds import region_payload, sent_backbone
+
     rule = round_rule()
     train = tomllib.loads((tmp_path / "run.toml").read_text())["train"]
     cap = max_round_weight(inner_steps=5, batch_size=train["batch_size"], seq_len=train["seq_len"])
@@ -87,8 +89,10 @@ def test_a_malicious_member_moves_no_model_and_is_banned(procs, tmp_path, attack
         if not (a["ok"] and b["ok"]) or len(a["gathered"]) != 3 or a["anchor"] is None:
             continue
         weights = [a["weight"], b["weight"]]
-        honest = weighted_mean([rule.backbone(a["pre"]), rule.backbone(b["pre"])], weights)
-        spread = [(x - y).abs() for x, y in zip(rule.backbone(a["pre"]), rule.backbone(b["pre"]))]
+        # what the two sent (their changes since the anchor, through the round's codec), on the anchor
+        sa, sb = (sent_backbone(rule, region_payload(rule, t["pre"], t["anchor"])) for t in (a, b))
+        honest = [x + m for x, m in zip(rule.backbone(a["anchor"]), weighted_mean([sa, sb], weights))]
+        spread = [(x - y).abs() for x, y in zip(sa, sb)]
         share = cap / (sum(weights) + cap)
         for got, h, s in zip(rule.backbone(a["agreed"]), honest, spread):
             bound = (rule.config.robust_clip + 1) * s * share + 1e-5

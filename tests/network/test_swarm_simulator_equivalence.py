@@ -86,29 +86,31 @@ def _start_together(procs: Procs, tmp, maddrs, *, max_steps: int = H, timeout: f
     return peers
 
 
-# (aggregation table, region rounds): the defaults; the two options that change what a region round
-# computes: the shared model adopting the agreed model whole (K included), and K's rows weighted by
-# each member's token counts (counted by the peer from its own training text, by the simulator from
-# the same text); and the evidence budget, over two rounds: the first searches, the second (its
-# searches over budget) takes the first's weights again, in the swarm as in the simulator, with
-# WorldLM's distance attention over K (the default K rule is the plain mean); and backbone partners:
-# each member serves the backbone change it sent, downloads its two mates', and takes the region's
-# backbone or its pair with one mate, whichever its tune slice prefers (with partner_own_half, or its
-# own half and half with the region's)
+# (aggregation table, region rounds): the defaults, whose members take backbone partners: each serves
+# the backbone change it sent, downloads its two mates', and takes the region's backbone, its pair
+# with one mate, or its own half and half with the region's, whichever its tune slice prefers; the
+# options that change what a region round computes: partners without the own half, the region's
+# backbone for everyone (the defaults until 2026-12-07), the shared model adopting the agreed model
+# whole (K included) with K's rows weighted by each member's token counts (counted by the peer from
+# its own training text, by the simulator from the same text); and the evidence budget, over two
+# rounds: the first searches, the second (its searches over budget) takes the first's weights again,
+# in the swarm as in the simulator, with WorldLM's distance attention over K (the default K rule is
+# the plain mean)
 VARIANTS = {
     "defaults": ("", 1),
-    "partners": ('region_backbone = "partners"', 1),
-    "partners-own-half": ('region_backbone = "partners"\npartner_own_half = true', 1),
+    "partners": ("partner_own_half = false", 1),
+    "mean-backbone": ('region_backbone = "mean"', 1),
     "agreed-usage": ('shared_model = "agreed"\nusage_rows = true', 1),
     "evidence-budget": ('evidence_share = 0.05\nattention = "distance"', 2),
 }
 
 
-# in CI: the defaults; the options (backbone partners; a shared model that adopts, with K's rows by
-# usage; the evidence budget) with pytest -m extended: their pure rounds are in tests/unit (partners'
-# mates with a fake averager: tests/unit/test_backbone_partners.py; the budget's reuse of the last
-# weights in the simulator: tests/unit/test_simulate.py)
-EXTENDED = ("partners", "partners-own-half", "agreed-usage", "evidence-budget")
+# in CI: the defaults; the options (backbone partners without the own half, the region's backbone, a
+# shared model that adopts with K's rows by usage, the evidence budget) with pytest -m extended: their
+# pure rounds are in tests/unit (partners' mates with a fake averager:
+# tests/unit/test_backbone_partners.py; the budget's reuse of the last weights in the simulator:
+# tests/unit/test_simulate.py)
+EXTENDED = ("partners", "mean-backbone", "agreed-usage", "evidence-budget")
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.extended) if v in EXTENDED else v
@@ -192,7 +194,7 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path, var
             assert not rounds[label][0]["mix_reused"] and t["mix_lam"] == rounds[label][0]["mix_lam"], label
         # the backbone it took: the region's, or its pair with the same mate as in the simulator
         assert t["partner"] == rec.get("partner"), (label, t["partner"], rec.get("partner"))
-        assert (t["partner"] is not None) == variant.startswith("partners"), label
+        assert (t["partner"] is not None) == (variant != "mean-backbone"), label
         if variant == "agreed-usage":  # the shared model is the agreed one, K included
             assert rec["lam"] == 1 and max_abs_diff(t["post"], t["agreed"]) < 1e-7, label
         personal = [m for m in mixes if m["kind"] == "personal"][last]
@@ -200,7 +202,7 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path, var
         assert bool(personal.get("reused")) == (variant == "evidence-budget"), label
         err = max_abs_diff(t["personal"], sim_personal[label])
         assert err < 1e-5, (label, err)
-    if variant.startswith("partners"):  # (the candidates were tried: with these texts one member takes one)
+    if variant in ("defaults", "partners"):  # (the candidates were tried: with these texts one member takes one)
         assert any(t["partner"] not in (None, "region") for t in group), [t["partner"] for t in group]
     if variant == "agreed-usage":
         # the counts made a difference: the pure round on the swarm's own inputs gives its agreed model

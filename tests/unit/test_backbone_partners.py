@@ -9,6 +9,7 @@ import torch
 
 from worldlm_p2p.config import AveragingConfig
 from worldlm_p2p.net.averaging import RoundResult
+from worldlm_p2p.net.robust_allreduce import RoundReport
 from worldlm_p2p.peer.region_round import RegionRound
 from worldlm_p2p.rounds import RoundRule
 from worldlm_p2p.split import split_parameters
@@ -76,3 +77,21 @@ def test_a_member_asks_only_the_window_of_mates_for_this_round() -> None:
     rr = _round(served, cap=2, round_index=3)  # windows of 2 over 5 mates: round 3 starts at 6 % 5 = 1
     mates = rr.fetch_mates(result, anchor=ANCHOR, digest="abc")
     assert sorted(mates) == ["m1", "m2"] and rr.averager.asked == ["m1", "m2"]
+
+
+def test_a_mate_the_robust_rule_caught_in_this_round_is_not_a_partner(caplog) -> None:
+    """A member that scales its change is clipped in the region's average; taken as half of a pair
+    it would come in whole (a larger step can look good on a slice early in training): a sender
+    this peer's reducer caught, or a reducer that failed it, is never asked for its change."""
+    meta = {"round": 7, "anchor": "abc"}
+    served = {p: [(meta, [torch.full((3, 3), 0.5)])] for p in ("honest", "scaled", "bad-reducer")}
+    gathered = {p: {"label": p} for p in served} | {"me": {"label": "me"}}
+    report = RoundReport(caught={"scaled": "100% of its values lay beyond the clip"},
+                         bad_reducers={"bad-reducer": "sent a part that is not the average"})
+    result = RoundResult(ok=True, group_size=4, gathered=gathered, averaged=[], report=report)
+    rr = _round(served)
+    with caplog.at_level("WARNING"):
+        mates = rr.fetch_mates(result, anchor=ANCHOR, digest="abc")
+    assert sorted(mates) == ["honest"] and rr.averager.asked == ["honest"]
+    for peer in ("scaled", "bad-reducer"):
+        assert f"left out {peer} ('{peer}') as a backbone partner: the robust rule caught it" in caplog.text

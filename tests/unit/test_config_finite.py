@@ -35,9 +35,14 @@ def test_robust_settings_are_checked():
 
 
 def test_backbone_partner_settings_are_checked():
+    from worldlm_p2p.rounds import RoundRule
+    from worldlm_p2p.split import split_parameters
+
     def agg(**kw):
         return RunManifest.from_dict({"run_id": "x", "aggregation": kw}).aggregation
-    assert agg(region_backbone="partners", partner_own_half=True).partner_own_half is True
+    # the defaults: partners with the own half
+    assert (agg().region_backbone, agg().partner_own_half) == ("partners", True)
+    assert agg(partner_own_half=False).partner_own_half is False
     with pytest.raises(ConfigError, match="aggregation.partner_own_half"):
         agg(region_backbone="partners", partner_own_half="yes")
     with pytest.raises(ConfigError, match="aggregation.partner_candidates"):
@@ -45,4 +50,12 @@ def test_backbone_partner_settings_are_checked():
     with pytest.raises(ConfigError, match="aggregation.partner_check"):
         agg(region_backbone="partners", partner_check="mate")
     with pytest.raises(ConfigError, match="aggregation.region_backbone"):
-        agg(region_backbone="partners", mix="none")
+        agg(region_backbone="pairs")
+    # partners are chosen by evidence: with another mix (or another strategy) a member takes the
+    # region's backbone, the default notwithstanding
+    split = split_parameters(["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"],
+                             "embed_head")
+    for kw in (dict(mix="none"), dict(mix="cosine"), dict(strategy="fedavg"), dict(strategy="hierfavg")):
+        assert agg(**kw).region_backbone == "partners"
+        assert not RoundRule(config=agg(**kw), split=split).backbone_partners, kw
+    assert RoundRule(config=agg(), split=split).backbone_partners

@@ -1038,14 +1038,15 @@ def test_partner_mates_takes_every_mate_or_a_window_that_moves_on_each_round() -
 def test_partner_candidates_are_the_region_backbone_and_half_and_half_pairs_hand_computed() -> None:
     from worldlm_p2p.rounds import REGION_CANDIDATE, check_sent_backbone, partner_candidates
 
-    rule = RoundRule.of(SPLIT, region_backbone="partners")
+    rule = RoundRule.of(SPLIT, region_backbone="partners", partner_own_half=False)
     anchor = [T([1.0, 2.0, 3.0]), torch.zeros(2, 2), torch.zeros(2), torch.ones(2, 3)]
     agreed = [T([9.0, 9.0, 9.0]), torch.ones(2, 2), torch.ones(2), torch.full((2, 3), 7.0)]
     own = [T([0.5, 0.0, -1.0]), torch.full((2, 3), 0.25)]  # the backbone's change it sent: tensors 0 and 3
     mate = [T([1.5, 2.0, 1.0]), torch.full((2, 3), -0.25)]
     out = partner_candidates(rule, anchor=anchor, own=own, mates={"b": mate}, agreed=agreed)
     assert list(out) == [REGION_CANDIDATE, "b"]
-    with_self = partner_candidates(RoundRule.of(SPLIT, region_backbone="partners", partner_check="self"),
+    with_self = partner_candidates(RoundRule.of(SPLIT, region_backbone="partners", partner_check="self",
+                                                partner_own_half=False),
                                    anchor=anchor, own=own, mates={"b": mate}, agreed=agreed)
     assert torch.equal(with_self["self"][0], T([1.5, 2.0, 2.0])) and torch.equal(with_self["self"][1], torch.full((2, 3), 1.25))
     with pytest.raises(ValueError, match="own candidate"):
@@ -1066,7 +1067,8 @@ def test_partner_candidates_are_the_region_backbone_and_half_and_half_pairs_hand
 def test_the_own_half_candidate_is_the_members_change_half_and_half_with_the_regions_hand_computed() -> None:
     from worldlm_p2p.rounds import OWN_HALF_CANDIDATE, REGION_CANDIDATE, choose_backbone, partner_candidates
 
-    rule = RoundRule.of(SPLIT, region_backbone="partners", partner_own_half=True)
+    rule = RoundRule.of(SPLIT)  # the defaults: partners with the own half
+    assert rule.backbone_partners and rule.config.partner_own_half
     anchor = [T([1.0, 2.0, 3.0]), torch.zeros(2, 2), torch.zeros(2), torch.ones(2, 3)]
     agreed = [T([3.0, 2.0, 1.0]), torch.ones(2, 2), torch.ones(2), torch.full((2, 3), 2.0)]  # region's change: [2, 0, -2], 1
     own = [T([0.5, 0.0, -1.0]), torch.full((2, 3), 0.25)]
@@ -1089,8 +1091,8 @@ def test_the_own_half_candidate_is_the_members_change_half_and_half_with_the_reg
     assert choose_backbone(rule, same, own=own_model, loss_of=wants(same[REGION_CANDIDATE]))[0] == REGION_CANDIDATE
     with pytest.raises(ValueError, match="own candidate"):
         partner_candidates(rule, anchor=anchor, own=own, mates={OWN_HALF_CANDIDATE: mate}, agreed=agreed)
-    # off by default
-    assert OWN_HALF_CANDIDATE not in partner_candidates(RoundRule.of(SPLIT, region_backbone="partners"), anchor=anchor,
+    # off: the region's and the pairs only
+    assert OWN_HALF_CANDIDATE not in partner_candidates(RoundRule.of(SPLIT, partner_own_half=False), anchor=anchor,
                                                         own=own, mates={"b": mate}, agreed=agreed)
 
 

@@ -77,14 +77,15 @@ FLAGS = (
                                         "evidence (the agreed backbone whole, key layers by its tune slice; "
                                         "default) or agreed (the agreed model and every world change whole)"),
     Flag("aggregation", "region_backbone", "with --mix evidence: the backbone a member takes after a region round "
-                                           "of 3 or more: mean (the region's; default) or partners (the region's or "
-                                           "its mean with one mate's, whichever its tune slice prefers)"),
+                                           "of 3 or more: partners (whichever its tune slice prefers of the "
+                                           "region's, its mean with one mate's and, with the own half, its own "
+                                           "with the region's) or mean (the region's)"),
     Flag("aggregation", "partner_candidates", "with --region-backbone partners: the most mates a member evaluates "
                                               "per round"),
     Flag("aggregation", "partner_check", "with --region-backbone partners: what a pair must beat on the tune slice: "
                                          "region (the region's backbone; default) or self (also the member's own)"),
-    Flag("aggregation", "partner_own_half", "with --region-backbone partners: the member's own backbone half and "
-                                            "half with the region's is a candidate too"),
+    Flag("aggregation", "partner_own_half", "with --region-backbone partners: leave out the candidate of the "
+                                            "member's own backbone half and half with the region's"),
     Flag("aggregation", "outer", "outer optimizer"),
     Flag("aggregation", "outer_lr", "outer learning rate"),
     Flag("aggregation", "outer_momentum", "Nesterov momentum"),

@@ -236,32 +236,37 @@ class AggregationConfig:
       exchange of the leaders reach it unfiltered); only the personal model then mixes by evidence.
       Measured: better where a region's members write related languages at the short budget, worse
       at the long one and where a region mixes unrelated ones (``benchmarks/RESULTS.md``, issue 10).
-    - ``region_backbone``: with ``mix = "evidence"`` (``worldlm``), which backbone a member takes after a region
-      round of three or more members. ``"mean"`` (the default): the region's agreed backbone.
-      ``"partners"``: whichever does best on its tune slice (with its own key layers) of the
-      region's agreed backbone and, for each of up to ``partner_candidates`` region mates, the mean
-      of the backbone it sent into the round and the one that mate sent, half and half: a
-      sub-federation of two formed by evidence, round by round, which a member leaves as soon as
-      the region's mean does better. Each member serves what it sent, and downloads what its mates
-      sent, after the all-reduce: one backbone per candidate mate and round, in the round's backbone
-      codec (:meth:`worldlm_p2p.net.averaging.RegionAverager.download_contribution_from`); a mate
-      that does not serve it in time, or serves something that does not fit, is left out. The
-      region's agreed model, which late joiners download and the leader carries, stays the mean.
-      A simulator prototype gained 3.3% in the region mean where regions hold related languages
-      (``today``, 5 seeds) and was level on three corpora of unrelated ones
-      (``benchmarks/RESULTS.md``, issue 10).
+    - ``region_backbone``: with ``mix = "evidence"`` (``worldlm``), which backbone a member's shared
+      model takes after a region round of three or more members (ignored otherwise: the other
+      strategies and mixes take the region's). ``"partners"`` (the default since 2026-12-07):
+      whichever does best on its tune slice (with its own key layers) of the region's agreed
+      backbone, for each of up to ``partner_candidates`` region mates the mean of the backbone it
+      sent into the round and the one that mate sent, half and half (a sub-federation of two formed
+      by evidence, round by round, which a member leaves as soon as another candidate does
+      better), and with ``partner_own_half`` its own backbone half and half with the region's.
+      Each member serves what it sent, and downloads what its mates sent, after the all-reduce:
+      one backbone per candidate mate and round, in the round's backbone codec
+      (:meth:`worldlm_p2p.net.averaging.RegionAverager.download_contribution_from`); a mate that
+      does not serve it in time, or serves something that does not fit, is left out. The region's
+      agreed model, which late joiners download and the leader carries, stays the mean.
+      ``"mean"``: the region's agreed backbone (the default until 2026-12-07; no downloads).
+      Measured, partners with the own half against the mean, 8 seeds at the short budget: 3.4%
+      lower region perplexity where regions hold related languages (``today``), 2.6% and 3.7% on
+      two corpora of mostly unrelated ones (``benchmarks/RESULTS.md``, issue 10).
     - ``partner_candidates``: with ``region_backbone = "partners"``, the most region mates a member
-      evaluates per round; in a larger group it takes a window of its mates (sorted by id) that
-      moves on by this many every round (:func:`worldlm_p2p.rounds.partner_mates`).
+      evaluates per round (and downloads the backbone of); in a larger group it takes a window of
+      its mates (sorted by id) that moves on by this many every round
+      (:func:`worldlm_p2p.rounds.partner_mates`).
     - ``partner_check``: with ``region_backbone = "partners"``, what a pair must beat on the
       member's tune slice to be taken. ``"region"``: the region's backbone. ``"self"``: the
       region's and the member's own backbone (the one it sent), one more evaluation, so that a
       pair is taken only where the mate adds to what the member learnt itself (a pair holds half
       of the member's own backbone, which its own slice tends to prefer whoever the mate is).
-    - ``partner_own_half``: with ``region_backbone = "partners"``, one more candidate: the mean of
-      the backbone the member sent and the region's, half and half (``"own-half"``), so that a pair
-      is taken only where the mate does better as the other half than the region does, and a
-      member whose mates are unrelated can still keep half of what it learnt.
+    - ``partner_own_half``: with ``region_backbone = "partners"``, one more candidate (on by
+      default): the mean of the backbone the member sent and the region's, half and half
+      (``"own-half"``), so that a pair is taken only where the mate does better as the other half
+      than the region does, and a member whose mates are unrelated can still keep half of what it
+      learnt. No traffic: it is made of what the member sent and the region's agreed backbone.
     - ``personal_tau``: the temperature of ``mix = "cosine"``.
     - ``evidence_share``: with ``mix = "evidence"``, the share of a member's compute its evidence
       searches may take, in forward passes (0, the default: a search at every round). Above 0 a
@@ -331,10 +336,10 @@ class AggregationConfig:
     personal_scope: PersonalScope = "parts"
     personal_model: PersonalModel = "separate"
     shared_model: SharedModel = "evidence"
-    region_backbone: RegionBackbone = "mean"
+    region_backbone: RegionBackbone = "partners"
     partner_candidates: int = 6
     partner_check: PartnerCheck = "region"
-    partner_own_half: bool = False
+    partner_own_half: bool = True
     outer: OuterOptimizer = "sgd"
     outer_lr: float = 1.0  # 1.0 with sgd = plain FedAvg: adopt the averaged model
     outer_momentum: float = 0.9  # nesterov only
@@ -385,8 +390,6 @@ class AggregationConfig:
                  f"{self.shared_model!r} is not one of {', '.join(SHARED_MODELS)}")
         _require(self.region_backbone in REGION_BACKBONES, "aggregation.region_backbone",
                  f"{self.region_backbone!r} is not one of {', '.join(REGION_BACKBONES)}")
-        _require(self.region_backbone == "mean" or self.mix == "evidence", "aggregation.region_backbone",
-                 "\"partners\" is chosen by evidence: it needs mix = \"evidence\"")
         _require(self.partner_check in PARTNER_CHECKS, "aggregation.partner_check",
                  f"{self.partner_check!r} is not one of {', '.join(PARTNER_CHECKS)}")
         _require(isinstance(self.partner_own_half, bool), "aggregation.partner_own_half", "must be true or false")

@@ -387,10 +387,18 @@ class RegionRound:
         serve nothing and are not asked. A mate serves what it sent before the all-reduce starts,
         so one that has not served it within a few seconds (``2 x request_timeout``, at least 2 s;
         all mates together within the round's averaging timeout), serves another round's or
-        anchor's, or something that does not fit the backbone is left out (logged)."""
+        anchor's, or something that does not fit the backbone is left out (logged). So is a mate that
+        this peer's reducer caught in this round, or that failed it as a reducer: what the robust
+        rule held to its bound in the region's average must not come in whole as half of a pair (a
+        scaled change can look good on a slice early in training)."""
         me = str(self.averager.peer_id)
+        suspect = set(result.report.caught) | set(result.report.bad_reducers)
         mates = [p for p, g in result.gathered.items() if p != me and not is_relay_gather(g)
                  and not (isinstance(g, dict) and g.get("outbound") is True)]
+        for peer in sorted(suspect & set(mates)):
+            logger.warning("round %d: left out %s%s as a backbone partner: the robust rule caught it in this round",
+                           self.stats.round, peer, self._label_of(result, peer))
+        mates = [p for p in mates if p not in suspect]
         picked = rounds.partner_mates(mates, cap=self.rule.config.partner_candidates, round_index=self.stats.round)
         deadline = time.monotonic() + self.averaging.averaging_timeout
         patience = max(2.0, 2 * self.averaging.request_timeout)
