@@ -13,8 +13,10 @@ processes on 127.0.0.1, :class:`worldlm_p2p.swarm.LocalSwarm`), against the regi
   (the kernel's TCP counters of the peer's own processes, p2pd included: :mod:`worldlm_p2p.net.wire`),
   over its completed rounds; everything counts (DHT, progress records, leader leases), so the
   difference between the two settings is what partners add;
-- **round seconds**: the median of the peers' ``round_seconds`` (the round's network part: the
-  all-reduce, and with partners the mates' downloads), the first round left out;
+- **all-reduce seconds**: the median of the peers' ``round_seconds`` (the all-reduce alone; the
+  mates' downloads and the candidates' evaluations come after it), the first round left out;
+- **run seconds**: the whole swarm's wall time, start-up included (the same training in both),
+  which holds what the downloads and the evaluations of the candidates on the tune slice add;
 - **what members took**: how often a member's shared model took the region's backbone, its own half
   or a pair (the ``partner`` of its region mixes).
 
@@ -121,18 +123,23 @@ def main(argv: list[str] | None = None) -> int:
     by = {s: [r for r in runs if r["setting"] == s] for s in SETTINGS}
     agg = {s: dict(wire_per_round=_median(r["wire_per_round_median"] for r in rs),
                    round_seconds=_median(r["round_seconds_median"] for r in rs),
+                   wall_s=_median(r["wall_s"] for r in rs),
                    took={k: sum(q["took"].get(k, 0) for r in rs for q in r["peers"])
                          for k in ("region", "own-half", "pair")})
            for s, rs in by.items()}
     base = agg["mean"]
     lines = [f"One region of {args.peers} peers (`tiny`, H = {args.inner_steps}, {args.rounds} rounds, "
              f"{args.repeats} runs each, alternated); medians over peers and runs:", "",
-             "| backbone | bytes on the wire per round and peer | / mean | round seconds | / mean | took (region / own half / pair) |",
-             "|---|---:|---:|---:|---:|---|"]
+             "| backbone | bytes on the wire per round and peer | / mean | all-reduce seconds | / mean "
+             "| run seconds | / mean | took (region / own half / pair) |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+
+    def ratio(x, y) -> str:
+        return f"{x / y:.2f}x" if x and y else "-"
     for s, a in agg.items():
-        w, t = a["wire_per_round"], a["round_seconds"]
-        lines.append(f"| `{s}` | {w or 0:,.0f} | {(w / base['wire_per_round']) if w and base['wire_per_round'] else 0:.2f}x "
-                     f"| {t or 0:.2f} | {(t / base['round_seconds']) if t and base['round_seconds'] else 0:.2f}x "
+        w, t, wall = a["wire_per_round"], a["round_seconds"], a["wall_s"]
+        lines.append(f"| `{s}` | {w or 0:,.0f} | {ratio(w, base['wire_per_round'])} | {t or 0:.2f} "
+                     f"| {ratio(t, base['round_seconds'])} | {wall or 0:.0f} | {ratio(wall, base['wall_s'])} "
                      f"| {a['took']['region']} / {a['took']['own-half']} / {a['took']['pair']} |")
     print("\n".join(lines))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
