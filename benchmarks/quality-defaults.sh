@@ -1,6 +1,8 @@
 #!/bin/bash
 # The quality study of the product's current defaults (benchmarks/RESULTS.md, "The defaults of
-# 2026-12-06 against training alone", issue 10), from nothing: worldlm and local with 3 seeds on the
+# 2026-12-06 against training alone", issue 10; since 2026-12-07 the defaults' members take backbone
+# partners, whose ablation mean-backbone, the region's backbone for everyone, is the defaults of
+# 2026-12-06), from nothing: worldlm and local with 3 seeds on the
 # five corpora at both budgets, the four baselines at both (one seed), and WorldLM's mechanisms
 # ablated at the short budget on every corpus (attention over K (WorldLM's distance form) against the default plain mean, no residual
 # exchange, the paper's residual attention instead of partners; 3 seeds, then 5, 10 on mixed) and
@@ -30,16 +32,16 @@ ALL=scripts,mixed,related,today,random
 ) &
 (
   # the short budget: worldlm, local and the ablations (3 seeds), the baselines, more seeds; then baselines long
-  $Q --budgets short --baselines "" --ablation-corpora $ALL --ablations K-distance,no-residual,residual-world \
+  $Q --budgets short --baselines "" --ablation-corpora $ALL --ablations mean-backbone,K-distance,no-residual,residual-world \
      --out "$W/pB1.json"
   $Q --budgets short --ablations "" --out "$W/pB2.json"
   # more seeds where the mechanisms' ratios are small: 5 on every corpus, 10 on mixed
-  $Q --budgets short --seeds 5 --baselines "" --ablation-corpora $ALL --ablations K-distance,no-residual,residual-world \
+  $Q --budgets short --seeds 5 --baselines "" --ablation-corpora $ALL --ablations mean-backbone,K-distance,no-residual,residual-world \
      --out "$W/pB3.json"
   $Q --budgets short --seeds 10 --corpora mixed --baselines "" --ablation-corpora mixed \
-     --ablations K-distance,no-residual,residual-world --out "$W/pB4.json"
+     --ablations mean-backbone,K-distance,no-residual,residual-world --out "$W/pB4.json"
   $Q --budgets long --baselines fedavg,fedper --ablations "" --out "$W/pB5.json"
 ) &
 wait
 $PY benchmarks/quality.py --workdir "$W" $ROOT --report-only --baselines centralized,fedavg,hierfavg,fedper \
-   --ablation-corpora $ALL --ablations K-distance,no-residual,residual-world --out benchmarks/out/quality-defaults.json
+   --ablation-corpora $ALL --ablations mean-backbone,K-distance,no-residual,residual-world --out benchmarks/out/quality-defaults.json

@@ -122,7 +122,8 @@ class Member:
 
     def record_mix(self, kind: str, index: int, choice, *, partner: str | None = None) -> None:
         """``partner``: with ``region_backbone = "partners"``, the backbone the member took before
-        mixing (``"region"``, or the label of the mate whose pair it took; None: no choice)."""
+        mixing (``"region"``, ``"own-half"``, or the label of the mate whose pair it took; None: no
+        choice)."""
         if self.budget is not None:
             self.budget.remember(kind, choice)
         lam = choice.lam if choice is not None else 0.0
@@ -134,8 +135,9 @@ class Member:
         what = {"region": "region's agreed model", "world": "world's change", "personal": "shared model"}[kind]
         if partner is not None and partner != "region":
             what = "region's key layers"
-            logger.info("%s round %d: took the backbone of its pair with %s (its tune slice preferred it to the "
-                        "region's)", kind, index, partner)
+            taken = ("its own backbone half and half with the region's" if partner == rounds.OWN_HALF_CANDIDATE
+                     else f"the backbone of its pair with {partner}")
+            logger.info("%s round %d: took %s (its tune slice preferred it to the region's)", kind, index, taken)
         if choice is not None and choice.reused:
             logger.info("%s round %d: took %.3g of the %s%s again (no evidence search due)", kind, index, lam, what,
                         f" (backbone; key layers {parts['key_lam']:.3g})" if parts else "")
