@@ -251,7 +251,7 @@ class AggregationConfig:
       agreed model, which late joiners download and the leader carries, stays the mean.
       ``"mean"``: the region's agreed backbone (the default until 2026-12-07; no downloads).
       Measured, partners with the own half against the mean, 8 seeds at the short budget: 3.4%
-      lower region perplexity where regions hold related languages (``today``), 2.6% and 3.7% on
+      lower region perplexity where regions hold related languages (``today``), 2.5% and 3.7% on
       two corpora of mostly unrelated ones (``benchmarks/RESULTS.md``, issue 10).
     - ``partner_candidates``: with ``region_backbone = "partners"``, the most region mates a member
       evaluates per round (and downloads the backbone of); in a larger group it takes a window of
