@@ -99,3 +99,6 @@ def test_a_malicious_member_moves_no_model_and_is_banned(procs, tmp_path, attack
             assert bool(((got - h).abs() <= bound).all()), (r, float(((got - h).abs() - bound).max()))
         checked += 1
     assert checked >= 1, "no round averaged the two honest members with the attacker"
+    # nor did its change reach them as half of a backbone pair (the rule caught it: never a partner)
+    partners = [t.get("partner") for t in list(ta.values()) + list(tb.values())]
+    assert "mallory" not in partners, partners
