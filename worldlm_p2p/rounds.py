@@ -519,6 +519,53 @@ def check_sent_backbone(rule: RoundRule, anchor: Sequence[torch.Tensor], sent: S
     return ""
 
 
+#: how far what a mate serves may lie from what this peer's reducer saw it send, per codec of the
+#: backbone's tensors: element-wise codecs (``none``, ``fp16``) decode the same values on both sides;
+#: ``int8`` scales each part of the all-reduce on its own and the served tensor whole, so the two
+#: decodings differ by a quantisation step, and where a part saturates by more (relative
+#: root-mean-square difference: about 0.02 for Gaussian changes, up to 0.15 with heavy tails): under
+#: ``int8`` the check catches another change or a scaled one, not a small edit
+SERVED_TOLERANCE = {"none": 1e-6, "fp16": 1e-6, "int8": 0.5}
+
+
+def served_mismatch(served: Sequence[torch.Tensor], seen: tuple[torch.Tensor, torch.Tensor], *,
+                    codecs: Sequence[str]) -> str:
+    """Why the backbone change a mate served (``served``: :func:`sent_backbone`'s layout) is not the
+    one it sent into the round's all-reduce ('' when it is, or when nothing can be compared).
+    ``seen`` is what this peer's reducer kept of the mate's parts: positions in the round's payload
+    flattened in order (:func:`region_payload`; the backbone comes first) and the values it decoded
+    there. Only positions inside the backbone are compared, each tensor's by the tolerance of its
+    ``codecs`` entry (:data:`SERVED_TOLERANCE`: the relative root-mean-square difference of the
+    compared values). A mate can serve one change and send another; this spot check holds it to what
+    it sent on the span this peer reduced, at positions it cannot know."""
+    positions, values = seen
+    positions = positions.reshape(-1).to(torch.int64)
+    values = values.reshape(-1).to(torch.float32)
+    if positions.numel() != values.numel():
+        raise ValueError(f"{positions.numel()} positions for {values.numel()} values")
+    sizes = [t.numel() for t in served]
+    if len(codecs) < len(sizes):
+        raise ValueError(f"{len(codecs)} codecs for {len(sizes)} backbone tensors")
+    ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
+    inside = (positions >= 0) & (positions < (int(ends[-1]) if sizes else 0))
+    positions, values = positions[inside], values[inside]
+    if not positions.numel():
+        return ""
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in served])
+    which = torch.bucketize(positions, ends, right=True)
+    for i in sorted(set(which.tolist())):
+        at = which == i
+        got, want = flat[positions[at]], values[at]
+        tol = SERVED_TOLERANCE.get(codecs[i], 0.0)
+        scale = float(want.square().mean().sqrt())
+        diff = float((got - want).square().mean().sqrt())
+        if not math.isfinite(diff) or diff > tol * scale + 1e-12:
+            return (f"what it served differs from what it sent into the round at {int(at.sum())} positions of "
+                    f"backbone tensor {i} (relative difference {diff / scale if scale else math.inf:.3g}, "
+                    f"tolerance {tol:g})")
+    return ""
+
+
 def choose_backbone(rule: RoundRule, candidates: Mapping[str, Sequence[torch.Tensor]], *,
                     own: Sequence[torch.Tensor], loss_of: LossOf) -> tuple[str, dict[str, float]]:
     """The candidate backbone (:func:`partner_candidates`) with the lowest tune-slice loss, each

@@ -164,3 +164,36 @@ def test_compressed_round_gives_every_member_the_same_model_and_the_pure_codec_r
     if attack == "nan":
         attacker = str(compressed_group[2].peer_id)
         assert any("NaN" in r.report.caught.get(attacker, "") for r in honest), [r.report.caught for r in honest]
+
+
+def test_each_reducer_keeps_what_every_sender_sent_and_a_served_change_is_held_to_it(compressed_group):
+    """Backbone partners' spot check on real averagers: what each member's reducer kept of every other
+    sender (:attr:`RoundReport.seen`) is that sender's payload as the codecs carried it, at those
+    positions of the group's vector (exactly in fp16, within the 8-bit tolerance in int8), so
+    :func:`worldlm_p2p.rounds.served_mismatch` passes the change the sender sent and fails another
+    member's or a scaled one."""
+    from worldlm_p2p import compression
+    from worldlm_p2p.rounds import served_mismatch
+
+    g = torch.Generator().manual_seed(11)
+    base = [torch.randn(300, 400, generator=g) * 0.05, torch.randn(70_000, generator=g) * 0.05]
+    payloads = [[torch.randn(b.shape, generator=g) * 0.005 for b in base] for _ in range(3)]
+    results = _round(compressed_group, payloads, [60.0, 80.0, 50.0])
+    assert all(r is not None and r.ok and r.group_size == 3 for r in results), [r and r.error for r in results]
+    ids = [str(a.peer_id) for a in compressed_group]
+    sent = [compression.roundtrip_all(p, CODECS) for p in payloads]
+    n0 = payloads[0][0].numel()
+    checked = set()
+    for i, r in enumerate(results):
+        assert ids[i] not in r.report.seen
+        for peer, (pos, val) in r.report.seen.items():
+            j = ids.index(peer)
+            checked.add(j)
+            flat = torch.cat([t.reshape(-1) for t in sent[j]])
+            fp16 = pos < n0
+            assert torch.equal(val[fp16], flat[pos[fp16]])
+            assert pos.numel() >= 100 and len(set(pos.tolist())) == pos.numel()
+            assert served_mismatch(sent[j], (pos, val), codecs=CODECS) == ""
+            assert served_mismatch(sent[(j + 1) % 3], (pos, val), codecs=CODECS) != ""
+            assert served_mismatch([3 * t for t in sent[j]], (pos, val), codecs=CODECS) != ""
+    assert checked == {0, 1, 2}  # every sender was seen by some reducer

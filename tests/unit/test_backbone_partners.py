@@ -95,3 +95,36 @@ def test_a_mate_the_robust_rule_caught_in_this_round_is_not_a_partner(caplog) ->
     assert sorted(mates) == ["honest"] and rr.averager.asked == ["honest"]
     for peer in ("scaled", "bad-reducer"):
         assert f"left out {peer} ('{peer}') as a backbone partner: the robust rule caught it" in caplog.text
+
+
+def test_a_mate_that_serves_another_change_than_it_sent_is_left_out_and_struck(caplog) -> None:
+    """This peer's reducer kept a sample of what each mate sent into the all-reduce (positions in the
+    payload, the backbone first); a mate whose served change disagrees there is left out, and the
+    round counts against it as against a sender the robust rule caught (banned after ``ban_after``)."""
+    from worldlm_p2p.peer.region_round import Strikes
+
+    meta = {"round": 7, "anchor": "abc"}
+    served = {p: [(meta, [torch.full((3, 3), 0.5, dtype=torch.float16)])] for p in ("honest", "liar", "unsampled")}
+    gathered = {p: {"label": p} for p in served} | {"me": {"label": "me"}}
+    seen = {"honest": (torch.tensor([1, 2, 9, 12]), torch.tensor([0.5, 0.5, 7.0, -3.0])),  # 9, 12: key layers
+            "liar": (torch.tensor([0, 4, 8]), torch.tensor([0.5, 0.25, 0.5]))}
+    result = RoundResult(ok=True, group_size=4, gathered=gathered, averaged=[], report=RoundReport(seen=seen))
+    rr = _round(served)
+    wrong: dict = {}
+    with caplog.at_level("WARNING"):
+        mates = rr.fetch_mates(result, anchor=ANCHOR, digest="abc", codecs=["fp16", "fp16", "fp16"], wrong=wrong)
+    assert sorted(mates) == ["honest", "unsampled"]
+    assert list(wrong) == ["liar"] and "differs from what it sent" in wrong["liar"]
+    assert "left out liar ('liar') as a backbone partner: what it served differs" in caplog.text
+    # without the payload's codecs (no partners in this round) nothing is compared
+    assert sorted(_round(served).fetch_mates(result, anchor=ANCHOR, digest="abc")) == ["honest", "liar", "unsampled"]
+
+    emitted, banned = [], []
+    rr.events = types.SimpleNamespace(emit=lambda kind, **kw: emitted.append((kind, kw)))
+    rr.strikes = Strikes(ban_after=2)
+    rr.averager.set_banned = lambda peers: banned.append(sorted(peers))
+    rr.judge(result, served_wrong=wrong)
+    assert rr.strikes.counts == {"liar": 1} and banned == []
+    assert ("caught", dict(round=7, peer="liar", why=wrong["liar"], role="partner")) in emitted
+    rr.judge(result, served_wrong=wrong)
+    assert banned == [["liar"]] and ("banned", dict(round=7, peer="liar")) in emitted

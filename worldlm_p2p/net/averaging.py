@@ -241,8 +241,9 @@ class RegionAverager(DecentralizedAverager):
         finally:
             caught = {p: why for p, t in runner.sender_report().items()
                       if p != str(self.peer_id) and (why := t.why_caught(clipped_above=self._clipped_above))}
+            seen = {p: v for p, v in runner.sender_samples().items() if p != str(self.peer_id)}
             self._last_report = RoundReport(caught=caught, bad_reducers=dict(runner.bad_reducers),
-                                            dropped=tuple(runner.dropped_senders()))
+                                            dropped=tuple(runner.dropped_senders()), seen=seen)
 
     def take_report(self, *, timeout: float = 5.0) -> RoundReport:
         """What the averager saw in its last all-reduce (an empty report if it cannot say)."""

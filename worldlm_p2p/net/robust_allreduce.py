@@ -16,13 +16,18 @@ swarm's result equals the pure function on the whole vectors, whatever the spans
   or that sent back a non-finite result fails the round for this member, and is named.
 
 The peer reads the tallies after the round (:meth:`worldlm_p2p.net.averaging.RegionAverager.take_report`)
-to name the senders caught and ban the repeat offenders.
+to name the senders caught and ban the repeat offenders. The reducer also keeps a sample of what
+each sender sent, at positions it draws from a private generator (:data:`SEEN_SAMPLES` values per
+sender, spread over its span): what a mate later serves as its contribution (backbone partners)
+must agree with it there (:func:`worldlm_p2p.rounds.served_mismatch`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -36,6 +41,9 @@ from hivemind.utils.asyncio import amap_in_executor
 from worldlm_p2p import robust
 
 logger = logging.getLogger(__name__)
+
+#: how many values of each sender's part a reducer keeps, at positions spread over its span
+SEEN_SAMPLES = 1024
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,11 +78,40 @@ class RobustPartReducer(TensorPartReducer):
     """A ``TensorPartReducer`` that aggregates each piece with :func:`worldlm_p2p.robust.robust_mean`
     once every (live) sender's part of it arrived, instead of a running weighted sum."""
 
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, settings: RobustSettings):
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, settings: RobustSettings,
+                 part_offsets: Sequence[int] | None = None, samples: int = SEEN_SAMPLES):
+        """``part_offsets``: where each piece starts in the group's vector (the tensors flattened in
+        order); with them the reducer keeps up to about ``samples`` values of every sender's pieces
+        (:meth:`seen`), at positions drawn from a private generator (a sender cannot know them)."""
         self.settings = settings
         self.tallies = [SenderTally() for _ in range(num_senders)]
         self._rows: dict[int, tuple[torch.Tensor, float]] = {}
+        self._offsets = list(part_offsets) if part_offsets is not None else None
+        if self._offsets is not None and len(self._offsets) != len(part_shapes):
+            raise ValueError(f"{len(self._offsets)} offsets for {len(part_shapes)} pieces")
+        span = sum(math.prod(s) for s in part_shapes)
+        self._rate = min(1.0, samples / span) if span and samples > 0 else 0.0
+        self._draw = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        self._seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_senders)]
         super().__init__(part_shapes, num_senders)
+
+    def seen(self, sender_index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The positions (in the group's vector) and values of ``sender_index``'s pieces that this
+        reducer kept, as it aggregated them (decoded); None when it kept none."""
+        kept = self._seen[sender_index]
+        if not kept:
+            return None
+        return torch.cat([p for p, _ in kept]), torch.cat([v for _, v in kept])
+
+    def _keep_sample(self, senders: Sequence[int], rows: torch.Tensor) -> None:
+        if self._offsets is None or not self._rate:
+            return
+        n = rows.shape[1]
+        m = min(n, max(1, math.ceil(n * self._rate)))
+        at = torch.randperm(n, generator=self._draw)[:m].sort().values
+        start = self._offsets[self.current_part_index]
+        for k, i in enumerate(senders):
+            self._seen[i].append((at + start, rows[k, at].to(torch.float32).clone()))
 
     def reset_accumulators(self):
         self._rows = {}
@@ -115,6 +152,7 @@ class RobustPartReducer(TensorPartReducer):
         else:
             rows = torch.stack([self._rows[i][0].reshape(-1) for i in senders])
             weights = [self._rows[i][1] for i in senders]
+            self._keep_sample(senders, rows)
             s = self.settings
             try:
                 agg = robust.robust_mean(rows, weights, rule=s.rule, clip=s.clip, max_weight=s.max_weight)
@@ -141,10 +179,16 @@ class RobustAllReduceRunner(AllReduceRunner):
 
     def __init__(self, *, robust_settings: RobustSettings, **kwargs):
         super().__init__(**kwargs)
-        self.tensor_part_reducer = RobustPartReducer(tuple(p.shape for p in self.parts_for_local_averaging),
-                                                     len(self.sender_peer_ids), settings=robust_settings)
-        self.bad_reducers: dict[str, str] = {}  # peer id -> why
         container = self.tensor_part_container
+        own = self.ordered_peer_ids.index(self.peer_id)
+        # where this peer's span starts in the group's vector: the parts are dealt out in order
+        start = sum(part.numel() for k in range(own) for part, _ in container._input_parts_by_peer[k])
+        sizes = [p.numel() for p in self.parts_for_local_averaging]
+        offsets = [start + sum(sizes[:k]) for k in range(len(sizes))]
+        self.tensor_part_reducer = RobustPartReducer(tuple(p.shape for p in self.parts_for_local_averaging),
+                                                     len(self.sender_peer_ids), settings=robust_settings,
+                                                     part_offsets=offsets)
+        self.bad_reducers: dict[str, str] = {}  # peer id -> why
         # the runner yields each tensor's averaged value, not hivemind's delta to it: a member applies
         # the encoded aggregate itself, bit for bit what every other member applies (a lost span
         # yields the local part, and fails the round)
@@ -152,7 +196,6 @@ class RobustAllReduceRunner(AllReduceRunner):
         register_processed, register_failed = container.register_processed_part, container.register_failed_reducer
         self._infos = [[info for _, info in parts] for parts in container._input_parts_by_peer]
         self._own_aggregates: dict[int, torch.Tensor] = {}
-        own = self.ordered_peer_ids.index(self.peer_id)
         own_sender = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
         accumulate = self.tensor_part_reducer.accumulate_part
 
@@ -228,6 +271,16 @@ class RobustAllReduceRunner(AllReduceRunner):
         failed = self.tensor_part_reducer.sender_failed_after
         return [str(pid) for pid, after in zip(self.sender_peer_ids, failed) if after != float("inf")]
 
+    def sender_samples(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Peer id -> the positions and values of its parts that this peer's reducer kept
+        (:meth:`RobustPartReducer.seen`); senders it kept nothing of are left out."""
+        out = {}
+        for i, pid in enumerate(self.sender_peer_ids):
+            seen = self.tensor_part_reducer.seen(i)
+            if seen is not None:
+                out[str(pid)] = seen
+        return out
+
     def sender_report(self) -> dict[str, SenderTally]:
         """Peer id -> what this peer's reducer saw of it in this round."""
         return {str(pid): t for pid, t in zip(self.sender_peer_ids, self.tensor_part_reducer.tallies)}
@@ -241,3 +294,5 @@ class RoundReport:
     caught: dict[str, str] = field(default_factory=dict)
     bad_reducers: dict[str, str] = field(default_factory=dict)
     dropped: tuple[str, ...] = ()  # senders this peer's reducer averaged without (a part was lost)
+    # peer id -> (positions, values): a sample of what each other sender sent, as this peer's reducer saw it
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)

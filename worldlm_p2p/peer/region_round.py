@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -76,6 +76,8 @@ class Averaged:
     #: with ``region_backbone = "partners"``: the member's candidate backbones (the region's, and its
     #: pair with each mate that served what it sent; :func:`worldlm_p2p.rounds.partner_candidates`)
     candidates: dict[str, list[torch.Tensor]] | None = None
+    #: mates whose served contribution was not what they sent into the round (peer id -> why)
+    served_wrong: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -313,7 +315,7 @@ class RegionRound:
             averaged = Averaged(result=RoundResult(ok=False, group_size=0, gathered={}, averaged=None,
                                                    error=flight.error), pre=pre, anchor=self.state.anchor,
                                 weight=0.0)
-        self.judge(averaged.result)
+        self.judge(averaged.result, served_wrong=averaged.served_wrong)
         since = s.tokens_since_round - flight.tokens  # trained while the round was in flight
         outcome = self.apply(averaged, expected=decision.waiting + 1 if decision is not None else None,
                              current=self.member.params() if flight.thread is not None else None,
@@ -374,14 +376,17 @@ class RegionRound:
             result = dataclasses.replace(result, ok=False, averaged=None, error=f"unusable average: {e}")
             return Averaged(result=result, pre=pre, anchor=anchor, weight=weight)
         candidates = None
+        wrong: dict[str, str] = {}
         if sent is not None and result.group_size >= 3 and not self.stopping():
-            mates = self.fetch_mates(result, anchor=anchor, digest=digest)
+            mates = self.fetch_mates(result, anchor=anchor, digest=digest, codecs=codecs, wrong=wrong)
             candidates = rounds.partner_candidates(self.rule, anchor=anchor, own=sent, mates=mates, agreed=agreed)
         return Averaged(result=result, pre=pre, anchor=anchor, weight=weight, new=new, agreed=agreed,
-                        momentum=momentum, candidates=candidates)
+                        momentum=momentum, candidates=candidates, served_wrong=wrong)
 
     # ------------------------------------------------------------------ backbone partners
-    def fetch_mates(self, result: RoundResult, *, anchor: list[torch.Tensor], digest: str) -> dict[str, list[torch.Tensor]]:
+    def fetch_mates(self, result: RoundResult, *, anchor: list[torch.Tensor], digest: str,
+                    codecs: Sequence[str] | None = None, wrong: dict[str, str] | None = None
+                    ) -> dict[str, list[torch.Tensor]]:
         """What the mates :func:`worldlm_p2p.rounds.partner_mates` picks from the round's group sent
         into it (their backbone changes, served by their averagers), by peer id. Outbound-only mates
         serve nothing and are not asked. A mate serves what it sent before the all-reduce starts,
@@ -390,7 +395,11 @@ class RegionRound:
         anchor's, or something that does not fit the backbone is left out (logged). So is a mate that
         this peer's reducer caught in this round, or that failed it as a reducer: what the robust
         rule held to its bound in the region's average must not come in whole as half of a pair (a
-        scaled change can look good on a slice early in training)."""
+        scaled change can look good on a slice early in training). And so is a mate whose served
+        change disagrees with what this peer's reducer saw it send into the all-reduce, at the
+        positions the reducer kept (:func:`worldlm_p2p.rounds.served_mismatch`, with the payload's
+        ``codecs``): it is added to ``wrong`` (peer id -> why), and :meth:`judge` counts the round
+        against it, as against a sender the robust rule caught."""
         me = str(self.averager.peer_id)
         suspect = set(result.report.caught) | set(result.report.bad_reducers)
         mates = [p for p, g in result.gathered.items() if p != me and not is_relay_gather(g)
@@ -417,6 +426,11 @@ class RegionRound:
                     tensors = [t.to(torch.float32) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                                for t in tensors]
                     why = rounds.check_sent_backbone(self.rule, anchor, tensors)
+                    seen = result.report.seen.get(peer)
+                    if not why and seen is not None and codecs is not None:
+                        why = rounds.served_mismatch(tensors, seen, codecs=codecs)
+                        if why and wrong is not None:
+                            wrong[peer] = why
                     if not why:
                         out[peer] = tensors
                     break
@@ -447,9 +461,11 @@ class RegionRound:
         label = g.get("label") if isinstance(g, dict) else None
         return str(label) if label else partner
 
-    def judge(self, result: RoundResult) -> None:
-        """Name the peers the round's report accuses, and ban the repeat offenders."""
+    def judge(self, result: RoundResult, *, served_wrong: dict[str, str] | None = None) -> None:
+        """Name the peers the round's report accuses, and the mates whose served contribution was not
+        what they sent (``served_wrong``, :meth:`fetch_mates`), and ban the repeat offenders."""
         report, s = result.report, self.stats
+        served_wrong = served_wrong or {}
         for peer, why in sorted(report.caught.items()):
             label = self._label_of(result, peer)
             logger.warning("round %d: the robust rule caught %s%s: %s", s.round, peer, label, why)
@@ -458,7 +474,9 @@ class RegionRound:
             logger.warning("round %d: reducer %s%s %s; the round is not used", s.round, peer,
                            self._label_of(result, peer), why)
             self.events.emit("caught", round=s.round, peer=peer, why=why, role="reducer")
-        newly = self.strikes.record(set(report.caught) | set(report.bad_reducers))
+        for peer, why in sorted(served_wrong.items()):
+            self.events.emit("caught", round=s.round, peer=peer, why=why, role="partner")
+        newly = self.strikes.record(set(report.caught) | set(report.bad_reducers) | set(served_wrong))
         if newly:
             self.averager.set_banned(self.strikes.banned)
             for peer in newly:
