@@ -106,8 +106,10 @@ class RoundRule:
     def backbone_partners(self) -> bool:
         """True when a member's model after a region round of three or more members takes the
         backbone its tune slice prefers among the region's and pairs with its mates
-        (``region_backbone = "partners"``: :func:`partner_target`)."""
-        return self.evidence and self.localises and self.config.region_backbone == "partners"
+        (``region_backbone = "partners"``: :func:`partner_target`). Not for a shared model that
+        adopts the region's agreed model whole (:attr:`shared_adopts`)."""
+        return (self.evidence and self.localises and self.config.region_backbone == "partners"
+                and not self.shared_adopts)
 
     @property
     def personal_key_only(self) -> bool:

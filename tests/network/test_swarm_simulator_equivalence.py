@@ -194,8 +194,10 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path, var
             assert not rounds[label][0]["mix_reused"] and t["mix_lam"] == rounds[label][0]["mix_lam"], label
         # the backbone it took: the region's, or its pair with the same mate as in the simulator
         assert t["partner"] == rec.get("partner"), (label, t["partner"], rec.get("partner"))
-        # (a round that takes its last search's weights again searches no partner: the region's)
-        assert (t["partner"] is not None) == (variant != "mean-backbone" and not rec.get("reused")), label
+        # (a round that takes its last search's weights again searches no partner: the region's; nor
+        # does a shared model that adopts the agreed model)
+        assert (t["partner"] is not None) == (variant not in ("mean-backbone", "agreed-usage")
+                                              and not rec.get("reused")), label
         if variant == "agreed-usage":  # the shared model is the agreed one, K included
             assert rec["lam"] == 1 and max_abs_diff(t["post"], t["agreed"]) < 1e-7, label
         personal = [m for m in mixes if m["kind"] == "personal"][last]

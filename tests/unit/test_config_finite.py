@@ -51,11 +51,12 @@ def test_backbone_partner_settings_are_checked():
         agg(region_backbone="partners", partner_check="mate")
     with pytest.raises(ConfigError, match="aggregation.region_backbone"):
         agg(region_backbone="pairs")
-    # partners are chosen by evidence: with another mix (or another strategy) a member takes the
-    # region's backbone, the default notwithstanding
+    # partners are chosen by evidence: with another mix (or another strategy), or a shared model that
+    # adopts the region's agreed model, a member takes the region's backbone, the default notwithstanding
     split = split_parameters(["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"],
                              "embed_head")
-    for kw in (dict(mix="none"), dict(mix="cosine"), dict(strategy="fedavg"), dict(strategy="hierfavg")):
+    for kw in (dict(mix="none"), dict(mix="cosine"), dict(strategy="fedavg"), dict(strategy="hierfavg"),
+               dict(shared_model="agreed")):
         assert agg(**kw).region_backbone == "partners"
         assert not RoundRule(config=agg(**kw), split=split).backbone_partners, kw
     assert RoundRule(config=agg(), split=split).backbone_partners

@@ -238,7 +238,8 @@ class AggregationConfig:
       at the long one and where a region mixes unrelated ones (``benchmarks/RESULTS.md``, issue 10).
     - ``region_backbone``: with ``mix = "evidence"`` (``worldlm``), which backbone a member's shared
       model takes after a region round of three or more members (ignored otherwise: the other
-      strategies and mixes take the region's). ``"partners"`` (the default since 2026-12-07):
+      strategies and mixes, and a shared model that adopts, ``shared_model = "agreed"``, take the
+      region's). ``"partners"`` (the default since 2026-12-07):
       whichever does best on its tune slice (with its own key layers) of the region's agreed
       backbone, for each of up to ``partner_candidates`` region mates the mean of the backbone it
       sent into the round and the one that mate sent, half and half (a sub-federation of two formed
