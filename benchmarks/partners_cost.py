@@ -97,7 +97,7 @@ def run_once(args, *, setting: str, repeat: int, tmp: Path, corpus: Path) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="partners_cost.py", description=__doc__.splitlines()[0])
     p.add_argument("--peers", type=int, default=4, help="peers of the one region (3 or more; default 4)")
     p.add_argument("--rounds", type=int, default=8, help="region rounds per peer (default 8)")
     p.add_argument("--inner-steps", type=int, default=10, help="H (default 10)")
@@ -107,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.peers < 3:
         p.error("--peers: partners need a region round of 3 or more")
+    for flag, value in (("--rounds", args.rounds), ("--inner-steps", args.inner_steps), ("--repeats", args.repeats)):
+        if value < 1:
+            p.error(f"{flag}: must be at least 1, got {value}")
+    if not args.swarm_timeout > 0:
+        p.error(f"--swarm-timeout: must be positive, got {args.swarm_timeout}")
     from swarm import make_corpus
 
     runs = []

@@ -53,3 +53,14 @@ def test_quality_refuses_bad_input(argv, tmp_path):
     assert isinstance(e.value.code, str) and e.value.code.startswith("quality.py: error: ")
     assert "\n" not in e.value.code
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+@pytest.mark.parametrize("argv", [["--peers", "2"], ["--rounds", "0"], ["--repeats", "-1"], ["--inner-steps", "0"],
+                                  ["--swarm-timeout", "0"], ["--rounds", "x"]])
+def test_partners_cost_refuses_bad_input(argv, capsys):
+    bench = _load("partners_cost")
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("partners_cost.py: error: ") and "Traceback" not in err
