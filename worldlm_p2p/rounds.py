@@ -568,6 +568,45 @@ def served_mismatch(served: Sequence[torch.Tensor], seen: tuple[torch.Tensor, to
     return ""
 
 
+#: the largest relative root-mean-square difference between a round's average and the one the
+#: members' served changes give (:func:`served_average_mismatch`): in practice 0, as both apply the
+#: same rule to the same values; a rounding may flip where a sum lands half-way between two fp16
+#: numbers
+AVERAGE_TOLERANCE = 1e-3
+
+
+def served_average_mismatch(rule: RoundRule, served: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], *,
+                            averaged: Sequence[torch.Tensor], codecs: Sequence[str], max_weight: float | None
+                            ) -> str:
+    """Why the backbone changes that every member of a round served (``served[i]``, as
+    :func:`sent_backbone` gives them: this member's own as it sent it, each mate's as it downloaded
+    it; ``weights[i]`` its round weight) do not give the backbone of the round's average
+    (``averaged``, as every member received it), '' when they do. The run's robust rule is applied
+    to them as the all-reduce applied it to what was sent (:func:`group_average`), so a member that
+    served another change than it sent, anywhere in the vector, moves the result. Compared where the
+    backbone's ``codecs`` are element-wise (``none``, ``fp16``); with ``int8``, which the all-reduce
+    applies part by part, nothing is compared ('')."""
+    if len(served) != len(weights) or not served:
+        raise ValueError(f"{len(served)} served changes for {len(weights)} weights")
+    n_b = len(served[0])
+    codecs = list(codecs)[:n_b]
+    if len(codecs) != n_b or len(averaged) < n_b:
+        raise ValueError(f"a backbone of {n_b} tensors, {len(codecs)} codecs and {len(averaged)} averaged tensors")
+    if any(c not in ("none", "fp16") for c in codecs):
+        return ""
+    out, _ = robust.robust_mean_of_lists([[t.to(torch.float32) for t in s] for s in served], weights,
+                                         rule=rule.config.robust, clip=rule.config.robust_clip, max_weight=max_weight)
+    expected = compression.roundtrip_all(out, codecs)
+    for i, (want, got) in enumerate(zip(expected, averaged)):
+        want, got = want.to(torch.float32), got.detach().to(torch.float32)
+        scale = float(want.square().mean().sqrt())
+        diff = float((got - want).square().mean().sqrt())
+        if not math.isfinite(diff) or diff > AVERAGE_TOLERANCE * scale + 1e-12:
+            return (f"backbone tensor {i} of the round's average differs from the served changes' by "
+                    f"{diff / scale if scale else math.inf:.3g} (relative), tolerance {AVERAGE_TOLERANCE:g}")
+    return ""
+
+
 def choose_backbone(rule: RoundRule, candidates: Mapping[str, Sequence[torch.Tensor]], *,
                     own: Sequence[torch.Tensor], loss_of: LossOf) -> tuple[str, dict[str, float]]:
     """The candidate backbone (:func:`partner_candidates`) with the lowest tune-slice loss, each

@@ -198,6 +198,9 @@ def test_one_region_round_in_the_swarm_equals_the_simulator(procs, tmp_path, var
         # does a shared model that adopts the agreed model)
         assert (t["partner"] is not None) == (variant not in ("mean-backbone", "agreed-usage")
                                               and not rec.get("reused")), label
+        # with partners each member's mates served what they sent: with its own, it gives the round's
+        # average (every other member served, fp16: the check could tell, and found them honest)
+        assert t["served_average"] == ("" if variant in ("mean-backbone", "agreed-usage") else "agrees"), label
         if variant == "agreed-usage":  # the shared model is the agreed one, K included
             assert rec["lam"] == 1 and max_abs_diff(t["post"], t["agreed"]) < 1e-7, label
         personal = [m for m in mixes if m["kind"] == "personal"][last]

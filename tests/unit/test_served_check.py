@@ -83,3 +83,87 @@ def test_a_reducer_keeps_a_sample_of_each_senders_parts_at_their_places_in_the_v
         assert red.seen(0) is None
 
     asyncio.run(without_offsets())
+
+
+# ---------------------------------------------------------------- the whole vector: the round's average
+
+
+def _rule(**kw):
+    from worldlm_p2p.rounds import RoundRule
+    from worldlm_p2p.split import split_parameters
+
+    names = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"]
+    return RoundRule.of(split_parameters(names, "embed_head"), **kw)
+
+
+def test_the_served_changes_give_the_rounds_weighted_mean_by_hand() -> None:
+    from worldlm_p2p.rounds import served_average_mismatch
+
+    rule = _rule(robust="mean")
+    served = [[torch.tensor([1.0, 2.0])], [torch.tensor([3.0, 4.0])], [torch.tensor([5.0, 6.0])]]
+    weights = [1.0, 1.0, 2.0]  # mean: [(1 + 3 + 10) / 4, (2 + 4 + 12) / 4]
+    assert served_average_mismatch(rule, served, weights, averaged=[torch.tensor([3.5, 4.5])], codecs=["fp16"],
+                                   max_weight=None) == ""
+    lied = [served[0], [torch.tensor([3.0, 5.0])], served[2]]  # one value of one mate
+    why = served_average_mismatch(rule, lied, weights, averaged=[torch.tensor([3.5, 4.5])], codecs=["fp16"],
+                                  max_weight=None)
+    assert "backbone tensor 0" in why
+    # the weight cap counts as in the all-reduce: capped at 1, the third weighs as much as the others
+    assert served_average_mismatch(rule, served, weights, averaged=[torch.tensor([3.0, 4.0])], codecs=["fp16"],
+                                   max_weight=1.0) == ""
+    # 8 bits are applied part by part in the all-reduce: not comparable, nothing is said
+    assert served_average_mismatch(rule, lied, weights, averaged=[torch.tensor([3.5, 4.5])], codecs=["int8"],
+                                   max_weight=None) == ""
+
+
+def test_the_robust_rule_is_applied_as_in_the_all_reduce() -> None:
+    """Under the default rule (clip around the median) the pure round's average of the same changes
+    (:func:`worldlm_p2p.rounds.group_average`) passes; a mate's served change scaled or swapped for
+    another fails, though the clip bounds what it moves."""
+    from worldlm_p2p import compression
+    from worldlm_p2p.rounds import group_average, served_average_mismatch
+
+    rule = _rule()
+    g = torch.Generator().manual_seed(5)
+    changes = [[torch.randn(40, 30, generator=g) * 0.01, torch.randn(500, generator=g) * 0.01] for _ in range(4)]
+    weights = [640.0, 640.0, 300.0, 640.0]
+    codecs = ["fp16", "fp16"]
+    served = [compression.roundtrip_all(c, codecs) for c in changes]
+    averaged = group_average(rule, changes, weights, max_weight=640.0, codecs=codecs)
+    assert served_average_mismatch(rule, served, weights, averaged=averaged, codecs=codecs, max_weight=640.0) == ""
+    for bad in ([2 * t for t in served[1]], served[3], [served[1][0], served[1][1] + 0.003]):
+        lied = [served[0], bad, served[2], served[3]]
+        assert served_average_mismatch(rule, lied, weights, averaged=averaged, codecs=codecs, max_weight=640.0)
+
+
+def test_check_average_drops_the_pairs_of_a_round_whose_served_changes_do_not_give_its_average(caplog) -> None:
+    import types
+
+    from worldlm_p2p.net.averaging import RoundResult
+    from worldlm_p2p.net.robust_allreduce import RobustSettings, RoundReport
+    from worldlm_p2p.peer.region_round import RegionRound
+
+    rr = RegionRound.__new__(RegionRound)
+    rr.rule = _rule(robust="mean")
+    rr.averager = types.SimpleNamespace(peer_id="me", robust=RobustSettings(rule="mean", max_weight=None))
+    rr.stats = types.SimpleNamespace(round=4)
+    own = [torch.tensor([1.0, 2.0])]
+    mates = {"a": [torch.tensor([3.0, 4.0])], "b": [torch.tensor([5.0, 6.0])]}
+    gathered = {"me": {"weight": 1.0}, "a": {"weight": 1.0}, "b": {"weight": 2.0}, "r": {"relay": True}}
+    averaged = [torch.tensor([3.5, 4.5]), torch.tensor([9.0])]  # the backbone's, then a key layer's
+
+    def check(result, m=mates):
+        return rr.check_average(result, own=own, mates=m, codecs=["fp16", "fp16"])
+
+    ok = RoundResult(ok=True, group_size=3, gathered=gathered, averaged=averaged)
+    assert check(ok) == (mates, "agrees")
+    with caplog.at_level("WARNING"):
+        assert check(ok, {"a": mates["a"], "b": [torch.tensor([5.0, 7.0])]}) == ({}, "differs")
+    assert "do not give the round's average" in caplog.text
+    # cannot be told: a mate that served nothing, a sender dropped, a weight unknown
+    assert check(ok, {"a": mates["a"]}) == ({"a": mates["a"]}, "")
+    dropped = RoundResult(ok=True, group_size=3, gathered=gathered, averaged=averaged,
+                          report=RoundReport(dropped=("b",)))
+    assert check(dropped) == (mates, "")
+    unknown = RoundResult(ok=True, group_size=3, gathered=gathered | {"b": {"weight": "x"}}, averaged=averaged)
+    assert check(unknown) == (mates, "")

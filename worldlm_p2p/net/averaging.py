@@ -106,6 +106,11 @@ class RegionAverager(DecentralizedAverager):
         self._timeout = averaging.averaging_timeout
         self._min_group_size = averaging.min_group_size
 
+    @property
+    def robust(self) -> RobustSettings:
+        """The rule this averager's reducer applies."""
+        return self._robust
+
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         """hivemind's, except that the SIGINT handler of this process is kept: hivemind sets it to
         SIG_IGN before it forks the averager (the child should ignore Ctrl-C), which would leave a

@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import enum
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -78,6 +79,9 @@ class Averaged:
     candidates: dict[str, list[torch.Tensor]] | None = None
     #: mates whose served contribution was not what they sent into the round (peer id -> why)
     served_wrong: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: whether what the mates served gave the round's average (:meth:`RegionRound.check_average`):
+    #: "agrees", "differs", or "" (not told)
+    served_average: str = ""
 
 
 @dataclass(slots=True)
@@ -377,11 +381,13 @@ class RegionRound:
             return Averaged(result=result, pre=pre, anchor=anchor, weight=weight)
         candidates = None
         wrong: dict[str, str] = {}
+        verdict = ""
         if sent is not None and result.group_size >= 3 and not self.stopping():
             mates = self.fetch_mates(result, anchor=anchor, digest=digest, codecs=codecs, wrong=wrong)
+            mates, verdict = self.check_average(result, own=sent, mates=mates, codecs=codecs)
             candidates = rounds.partner_candidates(self.rule, anchor=anchor, own=sent, mates=mates, agreed=agreed)
         return Averaged(result=result, pre=pre, anchor=anchor, weight=weight, new=new, agreed=agreed,
-                        momentum=momentum, candidates=candidates, served_wrong=wrong)
+                        momentum=momentum, candidates=candidates, served_wrong=wrong, served_average=verdict)
 
     # ------------------------------------------------------------------ backbone partners
     def fetch_mates(self, result: RoundResult, *, anchor: list[torch.Tensor], digest: str,
@@ -443,6 +449,37 @@ class RegionRound:
                 logger.warning("round %d: left out %s%s as a backbone partner: %s", self.stats.round, peer,
                                self._label_of(result, peer), why)
         return out
+
+    def check_average(self, result: RoundResult, *, own: list[torch.Tensor], mates: dict[str, list[torch.Tensor]],
+                      codecs: Sequence[str]) -> tuple[dict[str, list[torch.Tensor]], str]:
+        """Whether what the ``mates`` served, with what this member sent (``own``), gives the round's
+        average (:func:`worldlm_p2p.rounds.served_average_mismatch`): ``(mates, "agrees")`` when it
+        does, ``(mates, "")`` when that cannot be told, and ``({}, "differs")`` when it does not
+        (logged): some mate served another change than it sent, somewhere in the vector (the spot
+        check of :meth:`fetch_mates` covers this peer's span only), and no pair is taken this round.
+        It can be told when every other member of the group served its change
+        (no outbound-only member; no more mates than ``partner_candidates``), nobody was caught or
+        dropped, every member's weight is known, and the backbone travels in an element-wise codec."""
+        me = str(self.averager.peer_id)
+        members = {p: g for p, g in result.gathered.items() if not is_relay_gather(g)}
+        others = set(members) - {me}
+        if not mates or set(mates) != others or me not in members or result.report.dropped:
+            return mates, ""
+        order = [me, *sorted(others)]
+        weights = [members[p].get("weight") if isinstance(members[p], dict) else None for p in order]
+        known = all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
+                    for w in weights)
+        exact = all(c in ("none", "fp16") for c in codecs[:len(own)])
+        if not known or not exact or result.averaged is None:
+            return mates, ""
+        why = rounds.served_average_mismatch(self.rule, [own, *(mates[p] for p in order[1:])], weights,
+                                             averaged=result.averaged[:len(own)], codecs=codecs,
+                                             max_weight=self.averager.robust.max_weight)
+        if not why:
+            return mates, "agrees"
+        logger.warning("round %d: the changes the mates served do not give the round's average (%s): one of them "
+                       "served another change than it sent; no backbone pair this round", self.stats.round, why)
+        return {}, "differs"
 
     def partner_target(self, a: Averaged, *, loss_of, reuse) -> tuple[list[torch.Tensor], str | None]:
         """What the member's model moves towards (:func:`worldlm_p2p.rounds.partner_target`): the
@@ -554,7 +591,7 @@ class RegionRound:
                                                 mix_lam=mix.lam if mix is not None else None,
                                                 mix_key_lam=mix.second_lam if mix is not None else None,
                                                 mix_reused=mix.reused if mix is not None else None, current=current,
-                                                partner=partner,
+                                                partner=partner, served_average=a.served_average,
                                                 nice=nice,
                                                 gathered=result.gathered, post=self.member.params(), lost=lost,
                                                 personal=self.member.personal_params()
