@@ -197,3 +197,39 @@ def test_each_reducer_keeps_what_every_sender_sent_and_a_served_change_is_held_t
             assert served_mismatch(sent[(j + 1) % 3], (pos, val), codecs=CODECS) != ""
             assert served_mismatch([3 * t for t in sent[j]], (pos, val), codecs=CODECS) != ""
     assert checked == {0, 1, 2}  # every sender was seen by some reducer
+
+
+def test_a_served_change_is_held_to_the_rounds_average_and_the_reducers_sample(group):
+    """Backbone partners over real averagers (float32): each member serves a change
+    (:meth:`RegionAverager.set_contribution`), one of them not the one it sends into the round (1%
+    larger). A member that downloads every mate's (:meth:`download_contribution_from`) finds that the
+    honest changes give the round's average under the run's rule
+    (:func:`worldlm_p2p.rounds.served_average_mismatch`) and the liar's do not; and a reducer that
+    holds a sample of the liar's parts finds them different (:func:`worldlm_p2p.rounds.served_mismatch`)."""
+    from worldlm_p2p.rounds import RoundRule, served_average_mismatch, served_mismatch
+    from worldlm_p2p.split import split_parameters
+
+    rule = RoundRule.of(split_parameters(["a", "b"], "b"), robust=SETTINGS.rule, robust_clip=SETTINGS.clip)
+    payloads = _payloads(3, seed=21)
+    weights = [60.0, 80.0, 50.0]
+    lie = [t * 1.01 for t in payloads[2]]
+    for a, served in zip(group, [payloads[0], payloads[1], lie]):
+        assert a.set_contribution(round_index=1, anchor="d", tensors=served)
+    results = _round(group, payloads, weights)
+    assert all(r is not None and r.ok and r.group_size == 3 for r in results), [r and r.error for r in results]
+    ids = [str(a.peer_id) for a in group]
+    got = {}
+    for j in (1, 2):
+        meta, tensors = group[0].download_contribution_from(ids[j], timeout=15.0)
+        assert meta == {"round": 1, "anchor": "d"}
+        got[j] = tensors
+    assert all(torch.equal(a, b) for a, b in zip(got[1], payloads[1]))
+    codecs = ["none", "none"]
+    check = dict(averaged=results[0].averaged, codecs=codecs, max_weight=SETTINGS.max_weight)
+    assert served_average_mismatch(rule, [payloads[0], got[1], payloads[2]], weights, **check) == ""
+    assert served_average_mismatch(rule, [payloads[0], got[1], got[2]], weights, **check) != ""
+    # the honest members' reducers that hold a sample of the liar's parts (hivemind may give one no span)
+    verdicts = [served_mismatch(lie, r.report.seen[ids[2]], codecs=codecs) for r in results[:2] if ids[2] in r.report.seen]
+    assert verdicts and all(v for v in verdicts), verdicts
+    assert all(served_mismatch(payloads[1], r.report.seen[ids[1]], codecs=codecs) == ""
+               for r in (results[0], results[2]) if ids[1] in r.report.seen)
