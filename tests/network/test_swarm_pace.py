@@ -16,7 +16,9 @@ import pytest
 
 from swarm_utils import log_tail, start_bootstrap, start_peer, summary, traces, wait_for
 
-pytestmark = [pytest.mark.network, pytest.mark.slow]
+# extended (outside .ci/run, whose slow set ran past its 15 minutes): the pace rule itself is
+# tests/unit/test_barrier.py's (round_due), the thread priorities tests/unit/test_priority.py's
+pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.extended]
 
 
 def _tree_nice(pid: int) -> dict[int, int]:
