@@ -494,8 +494,8 @@ def corpus_tables(corpus: str, budget: Budget, layout, results: dict[str, dict[i
                   "runs of one seed share the initial model and the order of the data, so the per-seed ratio "
                   "removes most of the seed noise; 'lower' / 'higher': a paired t-test at the 5% level):", "",
                   "| X | region mean X / worldlm | paired by seed: mean ± sd | seeds lower | paired verdict "
-                  "| regions worse than local beyond the seed spread |",
-                  "|---|---:|---:|---:|---|---|"]
+                  "| regions worse than local beyond the seed spread | X / local: region means (paired by seed) |",
+                  "|---|---:|---:|---:|---|---|---:|"]
         for v, s in summary.items():
             if v in ("worldlm", "against_local"):
                 continue
@@ -511,7 +511,15 @@ def corpus_tables(corpus: str, budget: Budget, layout, results: dict[str, dict[i
                 worse_regions = [r for r in regions if _worse(per_variant[v], per_variant["local"], r)]
                 s["regions_worse_than_local"] = worse_regions
                 worse = ", ".join(worse_regions) or "none"
-            lines.append(f"| {v} | {fmt(s['region_mean'] / w)}x | {cells} | {worse} |")
+            vs_local = "-"
+            if v.startswith("worldlm:") and "local" in summary:
+                s["vs_local"] = s["region_mean"] / summary["local"]["region_mean"]
+                vs_local = f"{fmt(s['vs_local'])}x"
+                paired_local = paired_ratio(per_variant[v], per_variant["local"])
+                if paired_local is not None:
+                    s["vs_local_paired"] = dict(zip(("mean", "sd", "seeds_lower", "seeds", "verdict"), paired_local))
+                    vs_local += f" ({paired_local[0]:.4f} ± {paired_local[1]:.4f})"
+            lines.append(f"| {v} | {fmt(s['region_mean'] / w)}x | {cells} | {worse} | {vs_local} |")
     return lines + [""], summary
 
 

@@ -39,3 +39,28 @@ def test_paired_ratio_noise_and_too_few_seeds():
     assert quality.paired_ratio({0: {"a": math.inf}, 1: {"a": 9.0}}, base) is None  # a diverged run
     worse = {s: {"a": 10.0 * (1.05 + 0.001 * s)} for s in range(3)}
     assert quality.paired_ratio(worse, base)[4] == "higher"
+
+
+def _run(peers: dict[str, float]) -> dict:
+    """A run's JSON as the simulator writes it, reduced to what the tables read."""
+    return {"peers": {k: {"perplexity": v} for k, v in peers.items()}}
+
+
+def test_ablation_line_against_local_by_hand():
+    # one region of two peers; local runs on every sub-corpus (labels under a union region)
+    layout = {"r": ["a", "b"]}
+    local = {s: _run({"all/a": 10.0, "all/b": 20.0 + s}) for s in range(3)}  # region means 15, 15.5, 16
+    worldlm = {s: _run({"r/a": 9.0, "r/b": 19.0 + s}) for s in range(3)}    # 14, 14.5, 15
+    ablation = {s: _run({"r/a": 8.0, "r/b": 18.0 + 2 * s}) for s in range(3)}  # 13, 14, 15
+    results = {"worldlm": worldlm, "local": local, "worldlm:mix-none": ablation}
+    lines, summary = quality.corpus_tables("c", quality.Budget("short", 6, 10), layout, results, None)
+    s = summary["worldlm:mix-none"]
+    assert s["vs_local"] == pytest.approx(14.0 / 15.5)  # ratio of the means over seeds
+    ratios = [13 / 15, 14 / 15.5, 15 / 16]
+    p = s["vs_local_paired"]
+    assert p["mean"] == pytest.approx(statistics.fmean(ratios)) and p["sd"] == pytest.approx(statistics.stdev(ratios))
+    assert (p["seeds_lower"], p["seeds"]) == (3, 3)
+    row = [line for line in lines if line.startswith("| worldlm:mix-none |")][-1]  # the "X against worldlm" table
+    assert row.endswith(f"| {14.0 / 15.5:.3f}x ({statistics.fmean(ratios):.4f} ± {statistics.stdev(ratios):.4f}) |")
+    # the baselines and worldlm itself carry no such cell
+    assert "vs_local" not in summary["worldlm"]
