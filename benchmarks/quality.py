@@ -591,6 +591,9 @@ def main(argv: list[str] | None = None) -> None:
     args.budgets = [b for name, b in budgets.items() if name in args.budgets.split(",")]
     if args.report_only and args.workdir is None:
         sys.exit("quality.py: error: --report-only needs --workdir")
+    if args.report_only and not args.workdir.is_dir():
+        sys.exit(f"quality.py: error: --workdir {args.workdir} is not a directory (--report-only builds the tables "
+                 "from the runs already made there)")
     for name in (*args.corpora, *args.ablation_corpora):
         if name not in KNOWN_CORPORA:
             sys.exit(f"quality.py: error: unknown corpus {name!r} (known: {', '.join(KNOWN_CORPORA)})")

@@ -55,6 +55,16 @@ def test_quality_refuses_bad_input(argv, tmp_path):
     assert not any(tmp_path.iterdir())  # refused before anything was written
 
 
+def test_quality_report_only_refuses_a_missing_workdir(tmp_path):
+    quality = _load("quality")
+    missing = tmp_path / "no-such-workdir"
+    with pytest.raises(SystemExit) as e:
+        quality.main(["--report-only", "--workdir", str(missing), "--corpora", "random", "--budgets", "short"])
+    assert isinstance(e.value.code, str) and e.value.code.startswith("quality.py: error: --workdir ")
+    assert "\n" not in e.value.code
+    assert not missing.exists()  # not created: an empty report would read as "nothing was run"
+
+
 @pytest.mark.parametrize("argv", [["--peers", "2"], ["--rounds", "0"], ["--repeats", "-1"], ["--inner-steps", "0"],
                                   ["--swarm-timeout", "0"], ["--rounds", "x"]])
 def test_partners_cost_refuses_bad_input(argv, capsys):
