@@ -317,6 +317,13 @@ def test_list_corpus_errors(tmp_path: Path) -> None:
     (tmp_path / "bad.region").mkdir()
     with pytest.raises(DataError, match="not a valid region name"):
         list_corpus(tmp_path)
+    (tmp_path / "bad.region").rmdir()
+    # a letter outside ASCII: the message says which letters a region tag may use
+    (tmp_path / "région").mkdir()
+    with pytest.raises(DataError, match="not a valid region name \\(1-64 ASCII letters") as err:
+        list_corpus(tmp_path)
+    _one_line_error(err, tmp_path)
+    assert "'région'" in str(err.value)
 
 
 def test_make_demo_data_script(tmp_path: Path) -> None:

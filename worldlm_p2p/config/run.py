@@ -25,11 +25,11 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
 def check_name(kind: str, value: str) -> str:
-    """Validate a run id or region tag: letters, digits, ``_`` and ``-`` only (no dots: hivemind
+    """Validate a run id or region tag: ASCII letters, digits, ``_`` and ``-`` only (no dots: hivemind
     prefixes may not contain them), 1 to 64 characters."""
     if not isinstance(value, str) or not _NAME_RE.match(value):
         raise ConfigError(
-            f"invalid {kind} {value!r}: use 1-64 letters, digits, '_' or '-', starting with a letter or digit"
+            f"invalid {kind} {value!r}: use 1-64 ASCII letters, digits, '_' or '-', starting with a letter or digit"
         )
     return value
 

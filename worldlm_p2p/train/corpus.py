@@ -40,7 +40,7 @@ def list_corpus(root: str | Path) -> dict[str, list[Path]]:
         except ConfigError:
             raise DataError(
                 f"corpus root {root}: directory {region_dir.name!r} is not a valid region name "
-                "(letters, digits, '_', '-')"
+                "(1-64 ASCII letters, digits, '_' or '-', starting with a letter or digit)"
             ) from None
         subs = sorted(p for p in region_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
         if not subs:
@@ -95,7 +95,7 @@ def read_grouping(path: str | Path, *, root: str | Path | None = None) -> dict[s
             check_name("region", region)
         except ConfigError:
             raise DataError(f"grouping file {path}: {region!r} is not a valid region name "
-                            "(letters, digits, '_', '-')") from None
+                            "(1-64 ASCII letters, digits, '_' or '-', starting with a letter or digit)") from None
         subs = regions[region]
         if not isinstance(subs, list) or not subs or not all(isinstance(x, str) and x for x in subs):
             raise DataError(f"grouping file {path}: region {region!r} must list one or more sub-corpus paths")
