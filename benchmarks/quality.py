@@ -68,6 +68,9 @@ ABLATIONS = {
     "mix-none": ["--mix", "none"],
     "mix-cosine": ["--mix", "cosine"],
     "no-mix-world": ["--no-mix-world"],
+    # no world rounds at all: regions never meet (a world round after every 10^6-th region round),
+    # so what the leaders' exchange across borders adds is this run against the defaults
+    "no-world": ["--world-every", "1000000"],
     # the plain mean for K in a region: the default since 2026-12-06's fifteenth session (before,
     # "distance"), so these runs are the defaults' (kept for the earlier tables)
     "K-mean": ["--attention", "mean"],

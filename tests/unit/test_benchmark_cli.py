@@ -65,6 +65,21 @@ def test_quality_report_only_refuses_a_missing_workdir(tmp_path):
     assert not missing.exists()  # not created: an empty report would read as "nothing was run"
 
 
+def test_every_quality_ablation_is_a_valid_simulator_config():
+    """Each ablation's flags build a simulator config (a typo would fail every run of it, one by one,
+    in the background); the ones the tables read in a particular way say so in their settings."""
+    from worldlm_p2p.cli.simulate import build_parser, make_config
+
+    quality = _load("quality")
+    configs = {}
+    for name, flags in quality.ABLATIONS.items():
+        args = build_parser().parse_args(["--rounds", "40", "--strategy", "worldlm", *flags])
+        configs[name] = make_config(args)
+    assert configs["no-world"].aggregation.world_every > 40  # no world round in the long budget
+    assert configs["no-residual"].aggregation.residual is False
+    assert configs["mean-backbone"].aggregation.region_backbone == "mean"
+
+
 @pytest.mark.parametrize("argv", [["--peers", "2"], ["--rounds", "0"], ["--repeats", "-1"], ["--inner-steps", "0"],
                                   ["--swarm-timeout", "0"], ["--rounds", "x"]])
 def test_partners_cost_refuses_bad_input(argv, capsys):
