@@ -15,10 +15,10 @@ peer's own settings). Everything is importable from here.
 """
 
 from worldlm_p2p.config.local import NetConfig, PeerConfig, PrivacyConfig, privacy_violations
-from worldlm_p2p.config.run import (MODEL_PRESETS, AdmissionPolicy, AggregationConfig, AveragingConfig, ModelConfig, PrivacyPolicy,
+from worldlm_p2p.config.run import (MODEL_PRESETS, NAME_RULE, AdmissionPolicy, AggregationConfig, AveragingConfig, ModelConfig, PrivacyPolicy,
                                     RunManifest, TokenizerSpec, TrainConfig, _build_section, _finite, _require,
                                     check_name, load_toml, manifest_conflicts, model_preset)
 
-__all__ = ["MODEL_PRESETS", "AdmissionPolicy", "AggregationConfig", "AveragingConfig", "ModelConfig", "NetConfig", "PeerConfig",
+__all__ = ["MODEL_PRESETS", "NAME_RULE", "AdmissionPolicy", "AggregationConfig", "AveragingConfig", "ModelConfig", "NetConfig", "PeerConfig",
            "PrivacyConfig", "PrivacyPolicy", "RunManifest", "TokenizerSpec", "TrainConfig", "check_name", "load_toml",
            "manifest_conflicts", "model_preset", "privacy_violations"]

@@ -22,6 +22,8 @@ from worldlm_p2p.kinds import (ATTENTION_FORMS, MIX_RULES, OUTER_OPTIMIZERS, PER
                                SharedModel, StrategyName, WireCodec, WorldTarget)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+#: The rule ``_NAME_RE`` enforces, as the errors that refuse a name say it.
+NAME_RULE = "1-64 ASCII letters, digits, '_' or '-', starting with a letter or digit"
 
 
 def check_name(kind: str, value: str) -> str:
@@ -29,7 +31,7 @@ def check_name(kind: str, value: str) -> str:
     prefixes may not contain them), 1 to 64 characters."""
     if not isinstance(value, str) or not _NAME_RE.match(value):
         raise ConfigError(
-            f"invalid {kind} {value!r}: use 1-64 ASCII letters, digits, '_' or '-', starting with a letter or digit"
+            f"invalid {kind} {value!r}: use {NAME_RULE}"
         )
     return value
 

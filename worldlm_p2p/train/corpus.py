@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from worldlm_p2p.config import check_name
+from worldlm_p2p.config import NAME_RULE, check_name
 from worldlm_p2p.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def list_corpus(root: str | Path) -> dict[str, list[Path]]:
         except ConfigError:
             raise DataError(
                 f"corpus root {root}: directory {region_dir.name!r} is not a valid region name "
-                "(1-64 ASCII letters, digits, '_' or '-', starting with a letter or digit)"
+                f"({NAME_RULE})"
             ) from None
         subs = sorted(p for p in region_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
         if not subs:
@@ -95,7 +95,7 @@ def read_grouping(path: str | Path, *, root: str | Path | None = None) -> dict[s
             check_name("region", region)
         except ConfigError:
             raise DataError(f"grouping file {path}: {region!r} is not a valid region name "
-                            "(1-64 ASCII letters, digits, '_' or '-', starting with a letter or digit)") from None
+                            f"({NAME_RULE})") from None
         subs = regions[region]
         if not isinstance(subs, list) or not subs or not all(isinstance(x, str) and x for x in subs):
             raise DataError(f"grouping file {path}: region {region!r} must list one or more sub-corpus paths")
