@@ -49,11 +49,17 @@ class Procs:
 
 
 
+#: the tests' tune slice: at most this many tokens (the product's 2048 would make the members' evidence
+#: searches, several evaluations of the slice per round, most of a test peer's work; what the tests
+#: check of them does not depend on the slice's size)
+TUNE_TOKENS = 256
+
+
 def fast_run(run_id: str = "t", inner_steps: int = 5, averaging: str = "", aggregation: str = "") -> str:
     """The loopback manifest of the swarm benchmarks (``benchmarks/fast_run.py``) with the tests'
-    barrier timeout and evaluation size; ``averaging``/``aggregation``: extra TOML lines."""
+    barrier timeout, evaluation size and tune slice; ``averaging``/``aggregation``: extra TOML lines."""
     return _fast_run(run_id=run_id, inner_steps=inner_steps, barrier_timeout=30.0, averaging=averaging,
-                     aggregation=aggregation, eval_tokens=2048)
+                     aggregation=f"tune_tokens = {TUNE_TOKENS}\n{aggregation}", eval_tokens=2048)
 
 
 def start_bootstrap(procs: Procs, tmp: Path, *, run_id: str = "t", inner_steps: int = 5,
