@@ -65,14 +65,11 @@ FORWARDED = {"forward": ["home1"]}  # hosts whose router forwards PORT to them (
 RELAYED = {"relayed"}  # scenarios whose bootstrap node relays (worldlm-bootstrap --relay)
 
 
-def manifest(run_id: str, compress: str | None = None, tune_tokens: int | None = None) -> str:
+def manifest(run_id: str, compress: str | None = None) -> str:
     """The loopback benchmarks' manifest with a longer matchmaking window: on a 2-core machine five
     processes share the cores, and a member that is late by a second would miss the group.
-    ``compress``: the region rounds' wire codec for both roles (None: the product's default);
-    ``tune_tokens``: the members' tune slice at most this long (None: the product's default)."""
+    ``compress``: the region rounds' wire codec for both roles (None: the product's default)."""
     aggregation = f'compress_backbone = "{compress}"\ncompress_key = "{compress}"' if compress else ""
-    if tune_tokens is not None:
-        aggregation += f"\ntune_tokens = {int(tune_tokens)}"
     return fast_run(run_id=run_id, inner_steps=5, barrier_timeout=30.0, eval_tokens=2048,
                     averaging="", aggregation=aggregation).replace("matchmaking_time = 1.5", "matchmaking_time = 3.0")
 
@@ -105,13 +102,13 @@ def _wait_training(workdir: Path, hosts: list[str], *, deadline: float) -> None:
 
 
 def run_scenario(net: Internet, name: str, workdir: Path, *, steps: int, trace: bool = False,
-                 timeout: float = 600.0, compress: str | None = None, tune_tokens: int | None = None) -> dict:
+                 timeout: float = 600.0, compress: str | None = None) -> dict:
     """Start the bootstrap node and the scenario's peers, wait until every peer finished (at most
     ``timeout`` seconds), stop everything, and return what happened (see the module docstring).
     ``trace``: the peers write their round traces to ``workdir/trace`` (the test compares them with
-    the pure round function); ``compress``, ``tune_tokens``: as in :func:`manifest`."""
+    the pure round function)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "run.toml").write_text(manifest(f"inet-{name}", compress, tune_tokens))
+    (workdir / "run.toml").write_text(manifest(f"inet-{name}", compress))
     peers = SCENARIOS[name]
     sizes = {region: sum(1 for _, r, _ in peers if r == region) for _, region, _ in peers}
     for host in FORWARDED.get(name, []):
