@@ -71,6 +71,9 @@ ABLATIONS = {
     # no world rounds at all: regions never meet (a world round after every 10^6-th region round),
     # so what the leaders' exchange across borders adds is this run against the defaults
     "no-world": ["--world-every", "1000000"],
+    # fewer world rounds: a region trains its own backbone for M region rounds between them
+    "world-every-2": ["--world-every", "2"],
+    "world-every-3": ["--world-every", "3"],
     # the plain mean for K in a region: the default since 2026-12-06's fifteenth session (before,
     # "distance"), so these runs are the defaults' (kept for the earlier tables)
     "K-mean": ["--attention", "mean"],
@@ -112,6 +115,9 @@ ABLATIONS = {
     "key-only": ["--personal-model", "inline", "--personal-scope", "key"],  # members adopt the backbone whole, mix K by evidence
     # one model per member, mixed by parts (the defaults until 2026-12-05's seventh session)
     "inline": ["--personal-model", "inline"],
+    # the shared backbone takes world changes by evidence in regions of three or more (its first
+    # form, in every region, ran as "shared-world-evidence": benchmarks/RESULTS.md, 2026-12-07)
+    "shared-world-evidence3": ["--shared-model", "evidence-world"],
     "shared-agreed": ["--shared-model", "agreed"],  # the shared model is WorldLM's member; only the personal one mixes
     "agreed-usage": ["--shared-model", "agreed", "--usage-rows"],
     "agreed-K-mean": ["--shared-model", "agreed", "--attention", "mean"],

@@ -25,7 +25,7 @@ PersonalScope = Literal["key", "all", "parts"]
 #: whether a worldlm member's personal model is a second model or the one it averages
 PersonalModel = Literal["separate", "inline"]
 #: what a separate personal model's shared model takes of a round
-SharedModel = Literal["evidence", "agreed"]
+SharedModel = Literal["evidence", "evidence-world", "agreed"]
 #: which backbone a worldlm member's shared model takes after a region round (:func:`worldlm_p2p.rounds.partner_target`)
 RegionBackbone = Literal["mean", "partners"]
 #: what a backbone partner's pair must beat on the member's tune slice (:func:`worldlm_p2p.rounds.choose_backbone`)

@@ -46,6 +46,11 @@ from worldlm_p2p.strategies import strategy as strategy_of
 
 FETCH_MIN_WEIGHT = 1e-3  # a leader fetches another region's full residual only above this weight
 EVIDENCE_GRID = mixing.DEFAULT_GRID  # the mixing weights a member tries on its tune slice
+#: the smallest region round in which a member's tune slice chooses its shared model's backbone:
+#: among its pairs with mates (``region_backbone = "partners"``) and, with ``shared_model =
+#: "evidence-world"``, how much of a world change it takes. In a smaller round a member has at most
+#: one mate, whose pair is the region's mean, and the region no backbone of its own beside the world's.
+SEVERAL = 3
 #: ... and for a world round's change: by default at most a quarter of it per world round
 #: (``aggregation.mix_world_max``). The world's model is usually far from a member's (other
 #: languages); a large jump chosen on one round's evidence (say while the member's own loss spikes)
@@ -134,6 +139,16 @@ class RoundRule:
         on which the region's attentive key layers and the leaders' residual exchange act unfiltered;
         only the personal model mixes by evidence."""
         return self.separate_personal and self.config.shared_model == "agreed"
+
+    @property
+    def shared_world_evidence(self) -> bool:
+        """True when a separate personal model's shared model, in a region of :data:`SEVERAL`
+        members or more, takes a world change's backbone only as far as its tune slice supports, up
+        to the whole change (``shared_model="evidence-world"``), as it takes the key layers' (up to
+        ``mix_world_max``): the region's next round then averages what its members took, a
+        region-level step towards the world made of its members' evidence
+        (:func:`member_world_mix`)."""
+        return self.separate_personal and self.config.shared_model == "evidence-world" and self.config.mix_world
 
     @property
     def filters_world_key(self) -> bool:
@@ -409,8 +424,8 @@ def mix_parts_record(rule: RoundRule, choice: mixing.MixChoice | None) -> dict[s
 
 
 def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Sequence[torch.Tensor],
-                     loss_of: LossOf | None, own_loss: float | None = None, reuse: mixing.MixChoice | None = None
-                     ) -> tuple[list[torch.Tensor], mixing.MixChoice | None]:
+                     loss_of: LossOf | None, own_loss: float | None = None, reuse: mixing.MixChoice | None = None,
+                     region_size: int | None = None) -> tuple[list[torch.Tensor], mixing.MixChoice | None]:
     """A member's model after its region adopts a world round's ``change`` of the region's model
     (the region's agreed model always takes the whole change). With ``mix="evidence"`` and
     ``mix_world`` the member adds ``lam * change``, ``lam`` from its tune slice (no slice: 0);
@@ -418,10 +433,18 @@ def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Se
     search tries at most ``mix_world_max`` of the change (:func:`world_grid`; by default a
     quarter, :data:`WORLD_GRID`); with ``personal_scope="parts"`` that bounds the key layers' part,
     and the backbone's may be taken whole; with ``"key"`` the backbone's part is added whole. A
-    shared model that adopts (:attr:`RoundRule.shared_adopts`) adds the whole change. ``reuse``: as
-    in :func:`member_mix`."""
+    shared model that adopts (:attr:`RoundRule.shared_adopts`) adds the whole change. With
+    :attr:`RoundRule.shared_world_evidence` and ``region_size`` (the members of its last region
+    round; None: as many as it takes) of :data:`SEVERAL` or more, the backbone's part too by
+    evidence, up to the whole change (a smaller region has no backbone of its own to keep: its
+    shared model takes the world's whole, as by default). ``reuse``: as in :func:`member_mix`."""
     if rule.shared_adopts:
         return [t + d.to(t.dtype) for t, d in zip(own, change)], ADOPTED
+    if rule.shared_world_evidence and loss_of is not None and (region_size is None or region_size >= SEVERAL):
+        # the backbone up to the whole change, the key layers up to mix_world_max
+        return mixing.mix_parts(own, rule.part_steps(change), loss_of,
+                                grids=(EVIDENCE_GRID, world_grid(rule.config.mix_world_max)), own_loss=own_loss,
+                                z=rule.config.mix_z, fixed=_fixed_parts(reuse))
     if rule.evidence and rule.config.mix_world:
         if rule.personal_key_only:  # the whole change of the backbone, the key layers' by evidence
             backbone_step, change = rule.part_steps(change)
@@ -699,7 +722,8 @@ def region_round_with_anchor(rule: RoundRule, members: Sequence[Sequence[torch.T
     names = [str(i) for i in range(len(members))] if names is None else [str(n) for n in names]
     if len(names) != len(members) or len(set(names)) != len(names):
         raise ValueError(f"need one distinct name per member, got {names!r} for {len(members)} members")
-    sent = ([sent_backbone(rule, pl) for pl in payloads] if rule.backbone_partners and len(members) >= 3 else None)
+    sent = ([sent_backbone(rule, pl) for pl in payloads] if rule.backbone_partners and len(members) >= SEVERAL
+            else None)
     for i, p in enumerate(members):
         new, agreed, new_m = region_step(rule, averaged, params=p, anchor=anchor, momentum=momentum)
         if rule.evidence:

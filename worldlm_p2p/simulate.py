@@ -370,7 +370,7 @@ class Simulator:
             for p in members:
                 model, choice = member_world_mix(rule, own=get_flat_params(p.model), change=delta,
                                                  loss_of=self._loss_of(p, "world"), own_loss=p.tune_loss,
-                                                 reuse=self._reuse(p, "world"))
+                                                 reuse=self._reuse(p, "world"), region_size=len(members))
                 self._remember(p, "world", choice)
                 p.tune_loss = None
                 set_params(p.model, model)

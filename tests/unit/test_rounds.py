@@ -1211,3 +1211,60 @@ def test_region_round_with_partners_equals_the_pure_choice_and_does_not_depend_o
     with pytest.raises(ValueError, match="distinct name"):
         region_round_with_anchor(rule, members, tokens, anchor=anchor, momentum=None, loss_of=loss_of,
                                  names=["a", "a", "b"])
+
+
+def test_shared_model_evidence_world_takes_the_world_backbone_only_as_far_as_its_slice_supports() -> None:
+    """``shared_model="evidence-world"``: the shared model takes a world change's backbone by its own
+    line search (up to the whole change) and the key layers' up to ``mix_world_max``; a slice that
+    prefers its own backbone keeps it bit for bit; without a slice, or in a region of fewer than
+    three, it takes the backbone whole, as the default shared model does. The default takes the
+    backbone whole whatever the slice says."""
+    from worldlm_p2p.rounds import member_world_mix
+
+    zero = [torch.zeros(s) for s in SHAPES]
+    change = [torch.full(s, 2.0) for s in SHAPES]
+    rule = RoundRule.of(SPLIT, robust="mean", shared_model="evidence-world")
+    assert rule.shared_world_evidence and rule.separate_personal
+    assert not RoundRule.of(SPLIT, robust="mean").shared_world_evidence  # (the default)
+    assert not RoundRule.of(SPLIT, robust="mean", shared_model="evidence-world", mix_world=False).shared_world_evidence
+
+    def keeps_own(params):  # the slice wants nothing of the change
+        return float(sum(t.pow(2).sum() for t in params))
+
+    out, choice = member_world_mix(rule, own=zero, change=change, loss_of=keeps_own)
+    assert (choice.lam, choice.second_lam) == (0.0, 0.0)
+    assert all(torch.equal(o, z) for o, z in zip(out, zero))
+    # the default shared model: the backbone change whole (by hand: 0 + 2), the key layers kept
+    out, _ = member_world_mix(RoundRule.of(SPLIT, robust="mean"), own=zero, change=change, loss_of=keeps_own)
+    assert torch.equal(out[0], torch.full((3,), 2.0)) and torch.equal(out[1], torch.zeros(2, 2))
+
+    def wants_all(params):  # every part wants the whole change
+        return float(sum((t - 2.0).pow(2).sum() for t in params))
+
+    out, choice = member_world_mix(rule, own=zero, change=change, loss_of=wants_all)
+    assert (choice.lam, choice.second_lam) == (1.0, 0.25)
+    # by hand: backbone 0 + 1 * 2, key layers 0 + 0.25 * 2
+    assert torch.equal(out[0], torch.full((3,), 2.0)) and torch.equal(out[3], torch.full((2, 3), 2.0))
+    assert torch.allclose(out[1], torch.full((2, 2), 0.5)) and torch.allclose(out[2], torch.full((2,), 0.5))
+    # a quarter of the backbone change is what the slice wants (by hand: 0.5), none of the key layers'
+    half = [torch.full(s, 0.5) if i in SPLIT.backbone else torch.zeros(s) for i, s in enumerate(SHAPES)]
+    out, choice = member_world_mix(rule, own=zero, change=change,
+                                   loss_of=lambda p: float(sum((t - h).pow(2).sum() for t, h in zip(p, half))))
+    assert (choice.lam, choice.second_lam) == (0.25, 0.0)
+    _close(out, half)
+    # no slice: the backbone change whole, the key layers kept
+    out, choice = member_world_mix(rule, own=zero, change=change, loss_of=None)
+    assert choice is None
+    assert torch.equal(out[0], torch.full((3,), 2.0)) and torch.equal(out[1], torch.zeros(2, 2))
+    # a region of fewer than SEVERAL (3) members: the backbone change whole, as the default shared
+    # model takes it, bit for bit; from three members on, by evidence
+    from worldlm_p2p.rounds import SEVERAL
+    assert SEVERAL == 3
+    default = RoundRule.of(SPLIT, robust="mean")
+    for size in (1, 2):
+        out, choice = member_world_mix(rule, own=zero, change=change, loss_of=keeps_own, region_size=size)
+        want, want_choice = member_world_mix(default, own=zero, change=change, loss_of=keeps_own)
+        assert all(torch.equal(a, b) for a, b in zip(out, want)) and choice.lam == want_choice.lam
+        assert torch.equal(out[0], torch.full((3,), 2.0))
+    out, choice = member_world_mix(rule, own=zero, change=change, loss_of=keeps_own, region_size=3)
+    assert (choice.lam, choice.second_lam) == (0.0, 0.0) and all(torch.equal(o, z) for o, z in zip(out, zero))

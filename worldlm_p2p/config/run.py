@@ -238,6 +238,16 @@ class AggregationConfig:
       exchange of the leaders reach it unfiltered); only the personal model then mixes by evidence.
       Measured: better where a region's members write related languages at the short budget, worse
       at the long one and where a region mixes unrelated ones (``benchmarks/RESULTS.md``, issue 10).
+      ``"evidence-world"``: as ``"evidence"``, and in a region round of three or more members
+      (:data:`worldlm_p2p.rounds.SEVERAL`) the world change of the backbone too only as far as the
+      member's tune slice supports, up to the whole of it (the region's next round then averages
+      what its members took: a region-level step towards the world made of their evidence); a
+      smaller region takes it whole. Measured at the short budget, 3 seeds
+      (``benchmarks/RESULTS.md``, issue 10): 3.9% lower on ``today`` (every seed), level on
+      ``random``, ``holdout`` and ``mixed``, the same runs on ``related`` and ``scripts`` (no
+      region of three); the long budget not yet. Without the size rule it was 6-7% worse on
+      ``related`` and ``mixed``: their members declined world changes that pay only after the
+      next rounds' training.
     - ``region_backbone``: with ``mix = "evidence"`` (``worldlm``), which backbone a member's shared
       model takes after a region round of three or more members (ignored otherwise: the other
       strategies and mixes, and a shared model that adopts, ``shared_model = "agreed"``, take the

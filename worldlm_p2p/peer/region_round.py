@@ -382,7 +382,7 @@ class RegionRound:
         candidates = None
         wrong: dict[str, str] = {}
         verdict = ""
-        if sent is not None and result.group_size >= 3 and not self.stopping():
+        if sent is not None and result.group_size >= rounds.SEVERAL and not self.stopping():
             mates = self.fetch_mates(result, anchor=anchor, digest=digest, codecs=codecs, wrong=wrong)
             mates, verdict = self.check_average(result, own=sent, mates=mates, codecs=codecs)
             candidates = rounds.partner_candidates(self.rule, anchor=anchor, own=sent, mates=mates, agreed=agreed)

@@ -289,9 +289,10 @@ class WorldRounds:
         params = self.member.params()
         if self._refutes(known, params):
             return
+        region_size = s.group_sizes[-1] if s.group_sizes else 1  # its last region round's group
         adopted, mix = self.member.mix_safely(lambda: rounds.member_world_mix(
             self.rule, own=params, change=known.delta, loss_of=self.member.loss_of("world"),
-            reuse=self.member.reuse_for("world")), own=params)
+            reuse=self.member.reuse_for("world"), region_size=region_size), own=params)
         self.member.set(adopted)
         if self.rule.evidence and self.rule.config.mix_world:
             self.member.record_mix("world", known.world_round, mix)
