@@ -76,8 +76,8 @@ FLAGS = (
     Flag("aggregation", "shared_model", "with --personal-model separate: what the shared model takes of a round: "
                                         "evidence (the agreed backbone whole, key layers by its tune slice; "
                                         "default), evidence-world (in a region of 3 or more also the world's "
-                                        "change of the backbone by its tune slice) or agreed (the agreed model and every world change "
-                                        "whole)"),
+                                        "change of the backbone by its tune slice) or agreed (the agreed "
+                                        "model and every world change whole)"),
     Flag("aggregation", "region_backbone", "with --mix evidence: the backbone a member takes after a region round "
                                            "of 3 or more: partners (whichever its tune slice prefers of the "
                                            "region's, its mean with one mate's and, with the own half, its own "
