@@ -242,9 +242,9 @@ class AggregationConfig:
       (:data:`worldlm_p2p.rounds.SEVERAL`) the world change of the backbone too only as far as the
       member's tune slice supports, up to the whole of it (the region's next round then averages
       what its members took: a region-level step towards the world made of their evidence); a
-      smaller region takes it whole. Measured at the short budget, 3 seeds
-      (``benchmarks/RESULTS.md``, issue 10): 3.9% lower on ``today`` (every seed), level on
-      ``random``, ``holdout`` and ``mixed``, the same runs on ``related`` and ``scripts`` (no
+      smaller region takes it whole. Measured at the short budget (``benchmarks/RESULTS.md``,
+      issue 10): 3.9% lower on ``today`` (3 seeds, every one), level on ``random`` (0.981, 8
+      seeds), ``holdout`` (0.994, 8) and ``mixed``, the same runs on ``related`` and ``scripts`` (no
       region of three); one seed of the long budget split (``mixed`` 0.984, ``random`` 1.024: its
       region of two, which lives on the world's backbone, 7.7% higher). Without the size rule it
       was 6-7% worse on ``related`` and ``mixed``: their members declined world changes that pay
