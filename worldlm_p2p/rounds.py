@@ -437,10 +437,16 @@ def member_world_mix(rule: RoundRule, *, own: Sequence[torch.Tensor], change: Se
     :attr:`RoundRule.shared_world_evidence` and ``region_size`` (the members of its last region
     round; None: as many as it takes) of :data:`SEVERAL` or more, the backbone's part too by
     evidence, up to the whole change (a smaller region has no backbone of its own to keep: its
-    shared model takes the world's whole, as by default). ``reuse``: as in :func:`member_mix`."""
+    shared model takes the world's whole, as by default). ``reuse``: as in :func:`member_mix`; a
+    choice of the other form (two weights by parts where this call makes one, or the reverse: the
+    region's size crossed :data:`SEVERAL` since) is not reused, the weights are searched."""
     if rule.shared_adopts:
         return [t + d.to(t.dtype) for t, d in zip(own, change)], ADOPTED
-    if rule.shared_world_evidence and loss_of is not None and (region_size is None or region_size >= SEVERAL):
+    world_evidence = rule.shared_world_evidence and loss_of is not None and (region_size is None or
+                                                                              region_size >= SEVERAL)
+    if reuse is not None and (reuse.second_lam is not None) != (world_evidence or rule.mixes_by_part):
+        reuse = None
+    if world_evidence:
         # the backbone up to the whole change, the key layers up to mix_world_max
         return mixing.mix_parts(own, rule.part_steps(change), loss_of,
                                 grids=(EVIDENCE_GRID, world_grid(rule.config.mix_world_max)), own_loss=own_loss,

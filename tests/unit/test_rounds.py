@@ -1268,3 +1268,19 @@ def test_shared_model_evidence_world_takes_the_world_backbone_only_as_far_as_its
         assert torch.equal(out[0], torch.full((3,), 2.0))
     out, choice = member_world_mix(rule, own=zero, change=change, loss_of=keeps_own, region_size=3)
     assert (choice.lam, choice.second_lam) == (0.0, 0.0) and all(torch.equal(o, z) for o, z in zip(out, zero))
+    # a choice reused across a change of region size (aggregation.evidence_share: no search due) is
+    # of the other form, so it is not reused: the weights are searched, as without a choice to reuse
+    parts = member_world_mix(rule, own=zero, change=change, loss_of=wants_all, region_size=3)[1]
+    assert (parts.lam, parts.second_lam) == (1.0, 0.25)
+    out, choice = member_world_mix(rule, own=zero, change=change, loss_of=keeps_own, region_size=2, reuse=parts)
+    want, want_choice = member_world_mix(rule, own=zero, change=change, loss_of=keeps_own, region_size=2)
+    assert all(torch.equal(a, b) for a, b in zip(out, want)) and (choice.lam, choice.second_lam) == (0.0, None)
+    assert not choice.reused and torch.equal(out[1], torch.zeros(2, 2))  # (reused, the key layers would take 1)
+    one = member_world_mix(rule, own=zero, change=change, loss_of=wants_all, region_size=2)[1]
+    assert (one.lam, one.second_lam) == (0.25, None)
+    out, choice = member_world_mix(rule, own=zero, change=change, loss_of=keeps_own, region_size=3, reuse=one)
+    assert (choice.lam, choice.second_lam) == (0.0, 0.0) and not choice.reused
+    # a choice of the same form is reused as it is (no search: the loss is NaN)
+    out, choice = member_world_mix(rule, own=zero, change=change, loss_of=keeps_own, region_size=3, reuse=parts)
+    assert (choice.lam, choice.second_lam) == (1.0, 0.25) and choice.reused
+    assert torch.equal(out[0], torch.full((3,), 2.0)) and torch.allclose(out[1], torch.full((2, 2), 0.5))
