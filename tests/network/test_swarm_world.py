@@ -45,11 +45,12 @@ def _monitor(maddrs, *args):
 def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
     _, maddrs = start_bootstrap(procs, tmp_path, run_id="world", inner_steps=5, averaging="leader_ttl = 10.0",
                                 aggregation=f"world_every = 1\nresidual_tau = 1.0\n{WORLD_VARIANT}")
-    # the monitor before any peer: a bounded wait, exit code 1, one line
-    r = _monitor(maddrs, "--run-id", "world", "--once", "--json", "--wait", "2")
-    assert r.returncode == 1, (r.stdout, r.stderr)
-    assert r.stderr.strip().startswith("worldlm-monitor: error: no peer of run 'world' found"), r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    # the monitor of a run no peer has joined (the peers below join run "world"): a bounded wait, exit
+    # code 1, one line (it runs while the peers start)
+    nobody = subprocess.Popen([sys.executable, "-m", "worldlm_p2p.cli.monitor", "--initial-peers", *maddrs, "--run-id",
+                               "nobody", "--once", "--json", "--wait", "2"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=REPO,
+                              env={k: v for k, v in env().items() if k != "WORLDLM_LOGLEVEL"})  # a user's logs
     # each region its own border-DP policy (the leader clips and noises the backbone change it sends)
     policy = {"eu": (0.5, 0.02), "na": (1.0, 0.005)}  # (clip C, noise multiplier sigma)
     dp = {r: ["--region-dp-clip", str(c), "--region-dp-noise", str(n)] for r, (c, n) in policy.items()}
@@ -60,6 +61,10 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
                           extra=dp["na"] + extra)
           for lab, sub, extra in (("na-a", "en_email", []), ("na-b", "en_reviews", ["--peer-dp-noise", "1.0"]))}
     labels = {**{k: "eu" for k in eu}, **{k: "na" for k in na}}
+    out, err = nobody.communicate(timeout=120)
+    assert nobody.returncode == 1, (out, err)
+    assert err.strip().startswith("worldlm-monitor: error: no peer of run 'nobody' found"), err
+    assert len(err.strip().splitlines()) == 1
     reader = ProgressReader(maddrs, "world")
     try:
         # a world round led by one leader per region ...
