@@ -245,8 +245,9 @@ class AggregationConfig:
       smaller region takes it whole. Measured at the short budget (``benchmarks/RESULTS.md``,
       issue 10): 3.9% lower on ``today`` (3 seeds, every one), level on ``random`` (0.981, 8
       seeds), ``holdout`` (0.994, 8) and ``mixed``, the same runs on ``related`` and ``scripts`` (no
-      region of three); at the long budget ``mixed`` 0.984 (one seed), ``random`` 1.006 (two: its
-      region of two, which lives on the world's backbone, higher in both). Without the size rule it
+      region of three); at the long budget level (0.997 over five runs: ``today`` 0.980, ``mixed``
+      0.984, ``random`` 1.024 and 0.988, ``holdout`` 1.012, whose region of four it helped at the
+      short budget ending 3.9% higher), hence not the default. Without the size rule it
       was 6-7% worse on ``related`` and ``mixed``: their members declined world changes that pay
       only after the next rounds' training.
     - ``region_backbone``: with ``mix = "evidence"`` (``worldlm``), which backbone a member's shared
