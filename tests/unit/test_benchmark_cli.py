@@ -89,3 +89,31 @@ def test_partners_cost_refuses_bad_input(argv, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("partners_cost.py: error: ") and "Traceback" not in err
+
+
+def test_restore_workdir_writes_each_run_of_the_raw_results_once_the_newest_winning(tmp_path, capsys):
+    """benchmarks/restore_workdir.py: every run of every raw result file becomes ``<name>.json`` in the
+    work directory, the file modified last winning a name two files hold; a run already there is
+    kept; what is not a run (no regions) and files that are not raw results are skipped."""
+    import json
+    import os
+
+    restore = _load("restore_workdir")
+    src, work = tmp_path / "out", tmp_path / "work"
+    (src / "s1").mkdir(parents=True)
+    run = lambda v: {"strategy": "worldlm", "regions": {"a": {"perplexity": v}}, "reused": True}  # noqa: E731
+    old = src / "old.json"
+    old.write_text(json.dumps({"results": {"c.r6.worldlm.d1207.s0": run(1.0), "c.r6.local.s0": run(2.0)}}))
+    new = src / "s1" / "new.json"
+    new.write_text(json.dumps({"results": {"c.r6.worldlm.d1207.s0": run(3.0), "bad": {"strategy": "x"}}}))
+    os.utime(old, (1_000_000, 1_000_000))
+    (src / "other.json").write_text(json.dumps([1, 2]))
+    (src / "broken.json").write_text("{")
+    work.mkdir()
+    (work / "c.r6.local.s0.json").write_text(json.dumps(run(9.0)))
+    assert restore.main(["--workdir", str(work), "--from", str(src)]) == 0
+    assert "1 runs restored" in capsys.readouterr().out
+    assert sorted(p.name for p in work.iterdir()) == ["c.r6.local.s0.json", "c.r6.worldlm.d1207.s0.json"]
+    got = json.loads((work / "c.r6.worldlm.d1207.s0.json").read_text())
+    assert got == {"strategy": "worldlm", "regions": {"a": {"perplexity": 3.0}}}  # the newest; "reused" dropped
+    assert json.loads((work / "c.r6.local.s0.json").read_text())["regions"]["a"]["perplexity"] == 9.0
