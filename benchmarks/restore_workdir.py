@@ -41,23 +41,26 @@ def collect(root: Path) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="restore_workdir.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, required=True, help="the quality.py work directory to fill")
     p.add_argument("--from", dest="source", type=Path, default=OUT, help="where the raw results lie (default benchmarks/out)")
     args = p.parse_args(argv)
     if not args.source.is_dir():
         p.error(f"--from {args.source}: not a directory")
-    args.workdir.mkdir(parents=True, exist_ok=True)
     written = kept = 0
-    for name, run in collect(args.source).items():
-        target = args.workdir / f"{name}.json"
-        if target.exists():
-            kept += 1
-            continue
-        tmp = target.with_suffix(".restoring")
-        tmp.write_text(json.dumps(run))
-        tmp.replace(target)
-        written += 1
+    try:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        for name, run in collect(args.source).items():
+            target = args.workdir / f"{name}.json"
+            if target.exists():
+                kept += 1
+                continue
+            tmp = target.with_suffix(".restoring")
+            tmp.write_text(json.dumps(run))
+            tmp.replace(target)
+            written += 1
+    except OSError as e:
+        p.error(f"--workdir {args.workdir}: {e.strerror or e}")
     print(f"{written} runs restored into {args.workdir} ({kept} already there)")
     return 0
 

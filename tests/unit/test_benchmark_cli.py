@@ -117,3 +117,15 @@ def test_restore_workdir_writes_each_run_of_the_raw_results_once_the_newest_winn
     got = json.loads((work / "c.r6.worldlm.d1207.s0.json").read_text())
     assert got == {"strategy": "worldlm", "regions": {"a": {"perplexity": 3.0}}}  # the newest; "reused" dropped
     assert json.loads((work / "c.r6.local.s0.json").read_text())["regions"]["a"]["perplexity"] == 9.0
+
+
+def test_restore_workdir_refuses_a_workdir_it_cannot_write_with_one_line(tmp_path, capsys):
+    restore = _load("restore_workdir")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "afile").write_text("x")
+    for argv in (["--workdir", str(tmp_path / "afile")], ["--workdir", str(tmp_path / "w"), "--from", str(tmp_path / "no")]):
+        with pytest.raises(SystemExit) as e:
+            restore.main(argv + (["--from", str(tmp_path / "out")] if "--from" not in argv else []))
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("restore_workdir.py: error: ") and "Traceback" not in err, err
