@@ -11,13 +11,6 @@ import pytest
 import torch
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests marked ``long`` first (a stable sort: otherwise in collection order). ``.ci/run``
-    runs the slow tier on two workers, each taking the next test as it finishes one: a long test
-    started last would leave one worker alone with it while the other idles."""
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
-
-
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread() -> Iterator[None]:
     """The test models are tiny: intra-op threads only add synchronisation overhead, which gets

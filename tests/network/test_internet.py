@@ -41,7 +41,6 @@ def _log_tail(workdir, host: str) -> str:
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"no simulated internet here: {WHY}")
-@pytest.mark.long
 def test_two_peers_behind_two_nats_and_a_public_peer_average_in_one_region(tmp_path):
     with netns_internet.Internet() as net:
         res = internet.run_scenario(net, "nat", tmp_path, steps=NAT_STEPS, trace=True, timeout=420)

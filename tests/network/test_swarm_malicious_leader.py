@@ -20,7 +20,6 @@ STEPS = 30  # 6 region rounds of 5 steps
 MANY = 100_000  # the single-peer region trains until it is told to stop
 
 
-@pytest.mark.long
 def test_a_world_change_of_random_tensors_is_refused_and_its_leader_lease_dropped(procs, tmp_path):
     _, maddrs = start_bootstrap(procs, tmp_path, run_id="wleader", inner_steps=5)
     (tmp_path / "logs").mkdir(exist_ok=True)

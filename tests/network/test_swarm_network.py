@@ -74,7 +74,6 @@ def test_region_rounds_equal_the_pure_round_and_regions_stay_apart(procs, tmp_pa
     assert exact >= 2, f"only {exact} of {len(rounds)} rounds equal the pure round"
 
 
-@pytest.mark.long
 def test_late_joiner_loads_region_model_and_killed_peer_does_not_stall(procs, tmp_path):
     from worldlm_p2p.config import MODEL_PRESETS
     from worldlm_p2p.train import build_model, get_flat_params

@@ -22,7 +22,6 @@ pytestmark = [pytest.mark.network, pytest.mark.slow]  # several peer processes e
 
 
 # in CI: the admitting region, which takes the same relay and checks its endorsement as well
-@pytest.mark.long
 @pytest.mark.parametrize("region", [pytest.param("open", marks=pytest.mark.extended), "admitting"])
 def test_outbound_only_region_averages_through_the_relay(procs, tmp_path, region):
     # "admitting": eu admits only peers with a certificate of its key; the relay has none, and is

@@ -47,7 +47,6 @@ def calm(tmp_path_factory):
 
 # CI runs the scale attack; the random and nan payloads take the same path through the robust rule and
 # the ban, and the all-reduce test (tests/network/test_robust_allreduce.py) checks both in CI
-@pytest.mark.long  # with its calm run (a fixture)
 @pytest.mark.parametrize("attack", ["scale", pytest.param("random", marks=pytest.mark.extended),
                                     pytest.param("nan", marks=pytest.mark.extended)])
 def test_a_malicious_member_moves_no_model_and_is_banned(procs, tmp_path, attack, calm):

@@ -42,7 +42,6 @@ def _monitor(maddrs, *args):
                           capture_output=True, text=True, env=dict(env(), COLUMNS="160"), cwd=REPO, timeout=120)
 
 
-@pytest.mark.long
 def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
     _, maddrs = start_bootstrap(procs, tmp_path, run_id="world", inner_steps=5, averaging="leader_ttl = 10.0",
                                 aggregation=f"world_every = 1\nresidual_tau = 1.0\n{WORLD_VARIANT}")
