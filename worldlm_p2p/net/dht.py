@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from multiaddr import Multiaddr
 
@@ -151,19 +151,13 @@ def ensure_identity(path: str | Path, *, announce: bool = True):
 
 
 def start_dht(net: NetConfig, *, record_validators: Sequence = (), client_mode: bool = False,
-              require_initial_peers: bool = True, while_starting: Callable[[], None] | None = None,
-              before_retry: Callable[[], None] | None = None):
+              require_initial_peers: bool = True):
     """Start a hivemind DHT node that joins ``net.initial_peers``.
 
     Retries ``net.connect_retries`` times with exponential backoff; then raises
     :class:`AddressError` naming the bootstrap addresses it could not reach. With
     ``require_initial_peers=False`` (bootstrap nodes that list each other for redundancy) it starts
     alone instead, with a warning, so that a cold start of the whole set of nodes works.
-
-    ``while_starting()`` is called once the DHT's process has been forked, while it boots its p2p
-    daemon and joins (other work may overlap that wait: a peer imports its model code there);
-    ``before_retry()`` before any further fork (a retry), so that no thread of this process is
-    inside an import when the next child is forked.
     """
     from hivemind import DHT
 
@@ -189,21 +183,9 @@ def start_dht(net: NetConfig, *, record_validators: Sequence = (), client_mode: 
         kwargs["check_if_identity_free"] = False  # slow; peer ids collide only if a key file is copied
     delay = net.connect_backoff
     last_error = ""
-    def attempt_start():
-        dht = DHT(start=True, await_ready=False, **kwargs)
-        if while_starting is not None:
-            while_starting()
-        try:
-            dht.wait_until_ready()
-        except BaseException:
-            if before_retry is not None:
-                before_retry()
-            raise
-        return dht
-
     for attempt in range(net.connect_retries + 1):
         try:
-            return attempt_start()
+            return DHT(start=True, **kwargs)
         except Exception as e:  # hivemind raises P2PDaemonError, TimeoutError, ...
             last_error = " ".join(str(e).split())[:200] or type(e).__name__
             if not initial:

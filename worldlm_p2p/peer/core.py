@@ -99,8 +99,8 @@ class Peer:
         cfg = self.config
         self.events.emit("started", pid=os.getpid())
         splits = load_texts(cfg.data)  # fail on bad data before touching the network
-        # the model's code (transformers: seconds of imports) loads while the DHT process boots and
-        # the manifest is fetched; joined before anything else is forked
+        # the model's code (transformers: seconds of imports) loads once the run's manifest has
+        # accepted this peer, while it checks its reachability; joined before anything else is forked
         preload = _Preload()
         try:
             self._net = net = joining.connect(cfg, stopping=self._stop.is_set, while_starting=preload.start,

@@ -63,9 +63,11 @@ class Network:
 def connect(config: PeerConfig, *, stopping: Callable[[], bool], while_starting: Callable[[], None] | None = None,
             before_fork: Callable[[], None] | None = None) -> Network:
     """Join the DHT (bounded retries), fetch the run manifest and refuse to go on when a local
-    setting or this region's privacy contradicts it. ``while_starting`` / ``before_fork``: see
-    :func:`worldlm_p2p.net.dht.start_dht` (``before_fork`` also runs before an outbound-only
-    restart of the DHT)."""
+    setting or this region's privacy contradicts it. ``while_starting()`` is called once the
+    manifest is accepted, while this peer checks its reachability (the peer imports its model code
+    there: a peer that is refused never pays for it, nearly halving the time and CPU of a refusal);
+    ``before_fork()`` before an outbound-only restart of the DHT forks, so that no thread of this
+    process is inside an import when a child is forked."""
     # one key for the libp2p identity and for the signatures of this peer's DHT records, so that
     # every record's signer can be matched with the peer id it claims: the --identity, or else a
     # key made for this process (its file lives only until the p2p daemon has read it)
@@ -78,8 +80,7 @@ def connect(config: PeerConfig, *, stopping: Callable[[], bool], while_starting:
         # the progress schema once the run is known
         validators = records.make_validators(None, key)
         outbound = net.reachability == "outbound"
-        dht = start_dht(net, record_validators=validators, client_mode=outbound, while_starting=while_starting,
-                        before_retry=before_fork)
+        dht = start_dht(net, record_validators=validators, client_mode=outbound)
     try:
         trusted = run_key_text(config.run_key) if config.run_key else None
         record = fetch_run_manifest(dht, run_id=config.run_id, wait=config.manifest_wait, should_stop=stopping,
@@ -99,6 +100,8 @@ def connect(config: PeerConfig, *, stopping: Callable[[], bool], while_starting:
     except BaseException:
         dht.shutdown()
         raise
+    if while_starting is not None:
+        while_starting()
     dht.add_validators(records.make_validators(manifest.run_id, key)[2:])
     logger.info("joined run %s (manifest %s, run key %s) as %s in region %s%s", manifest.run_id,
                 manifest.fingerprint(), records.run_key_id(record.run_key), dht.peer_id, config.region,
