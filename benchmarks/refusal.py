@@ -44,13 +44,26 @@ def _timed(argv: list[str]) -> tuple[int, float, float, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="refusal.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3, help="runs of each kind, alternated (default 3)")
     p.add_argument("--steps", type=int, default=10, help="steps of the admitted peer (default 10)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "refusal.json"))
     args = p.parse_args(argv)
     if args.repeats < 1 or args.steps < 1:
         p.error("--repeats and --steps must be >= 1")
+    out = Path(args.out)
+    try:  # before any run: where the figures go must be writable
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {out}: {e.strerror or e}")
+    tmp_out = out.with_name(out.name + ".writing")
+    try:
+        if out.is_dir():
+            raise IsADirectoryError(21, "a directory")
+        tmp_out.write_text("")
+        tmp_out.unlink()
+    except OSError as e:
+        p.error(f"--out {out}: {e.strerror or e}")
     runs: dict[str, list[dict]] = {"refused": [], "admitted": []}
     with tempfile.TemporaryDirectory(prefix="worldlm-refusal-") as tmp:
         tmp = Path(tmp)
@@ -69,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):
                 for kind, extra in (("refused", ["--config", str(tmp / "peer.toml")]),
                                     ("admitted", ["--max-steps", str(args.steps)])):
-                    code, wall, cpu, last = _timed(base + extra)
+                    try:
+                        code, wall, cpu, last = _timed(base + extra)
+                    except subprocess.TimeoutExpired:
+                        print(f"refusal.py: error: a {kind} peer ran for more than 300 s", file=sys.stderr)
+                        return 1
                     runs[kind].append({"exit_code": code, "seconds": wall, "cpu_seconds": cpu, "last_line": last})
         finally:
             boot.terminate()
@@ -77,9 +94,13 @@ def main(argv: list[str] | None = None) -> int:
                 boot.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 boot.kill()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"steps": args.steps, "runs": runs}, indent=1) + "\n")
-    print(f"| peer | exit codes | seconds (median) | CPU seconds (median) |\n|---|---|---:|---:|")
+    try:
+        tmp_out.write_text(json.dumps({"steps": args.steps, "runs": runs}, indent=1) + "\n")
+        tmp_out.replace(out)
+    except OSError as e:
+        print(f"refusal.py: error: --out {out}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    print("| peer | exit codes | seconds (median) | CPU seconds (median) |\n|---|---|---:|---:|")
     for kind, rs in runs.items():
         print(f"| {kind} | {sorted({r['exit_code'] for r in rs})} | {statistics.median(r['seconds'] for r in rs):.1f} | "
               f"{statistics.median(r['cpu_seconds'] for r in rs):.1f} |")

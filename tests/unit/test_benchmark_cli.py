@@ -129,3 +129,15 @@ def test_restore_workdir_refuses_a_workdir_it_cannot_write_with_one_line(tmp_pat
         assert e.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err.startswith("restore_workdir.py: error: ") and "Traceback" not in err, err
+
+
+def test_refusal_refuses_bad_input_before_any_run_with_one_line(tmp_path, capsys):
+    refusal = _load("refusal")
+    (tmp_path / "afile").write_text("x")
+    for argv in (["--repeats", "0"], ["--steps", "-1"], ["--out", str(tmp_path)],
+                 ["--out", str(tmp_path / "afile" / "out.json")], ["--out", "/proc/refusal.json"]):
+        with pytest.raises(SystemExit) as e:
+            refusal.main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("refusal.py: error: ") and "Traceback" not in err, (argv, err)
