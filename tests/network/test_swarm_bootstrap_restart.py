@@ -39,9 +39,11 @@ def test_a_restarted_bootstrap_rejoins_its_swarm_and_newcomers_through_it_averag
     (tmp_path / "run.toml").write_text(fast_run("rejoin", inner_steps=5))
     port = _free_port()
     boot, maddrs = _bootstrap(procs, tmp_path, port, 0)
-    many = 100_000
-    a = start_peer(procs, tmp_path, maddrs, region="eu", sub="de_news-reviews-wiki", label="a", max_steps=many)
-    b = start_peer(procs, tmp_path, maddrs, region="eu", sub="es_blog-news-reviews-wiki", label="b", max_steps=many)
+    many, half = 100_000, ["--slowdown", "2"]  # peers run until stopped, at half speed (they wait on events)
+    a = start_peer(procs, tmp_path, maddrs, region="eu", sub="de_news-reviews-wiki", label="a",
+                   max_steps=many, extra=half)
+    b = start_peer(procs, tmp_path, maddrs, region="eu", sub="es_blog-news-reviews-wiki", label="b",
+                   max_steps=many, extra=half)
     wait_for(lambda: any(t["ok"] for t in traces(tmp_path, "a").values()), 180, "a first round of a and b")
     peers_file = tmp_path / "boot.id.peers.json"
     wait_for(lambda: peers_file.exists() and len(json.loads(peers_file.read_text())["peers"]) >= 2, 60,
@@ -64,7 +66,7 @@ def test_a_restarted_bootstrap_rejoins_its_swarm_and_newcomers_through_it_averag
     if not memory:  # (they re-dial every 15 s)
         assert any("reconnected to bootstrap node" in (tmp_path / "logs" / f"{x}.log").read_text() for x in "ab")
     # a newcomer through it averages with the running peers
-    c = start_peer(procs, tmp_path, maddrs, region="eu", sub="nl_news", label="c", max_steps=many)
+    c = start_peer(procs, tmp_path, maddrs, region="eu", sub="nl_news", label="c", max_steps=many, extra=half)
     wait_for(lambda: any(t["ok"] and {"a", "b"} & {g["label"] for g in t["gathered"].values()}
                          for t in traces(tmp_path, "c").values()), 120,
              "a round of the newcomer with the running peers")

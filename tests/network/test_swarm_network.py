@@ -79,14 +79,16 @@ def test_late_joiner_loads_region_model_and_killed_peer_does_not_stall(procs, tm
     from worldlm_p2p.train import build_model, get_flat_params
 
     _, maddrs = start_bootstrap(procs, tmp_path, run_id="churn", inner_steps=5)
-    many = 100_000  # these peers run until they are stopped
-    a = start_peer(procs, tmp_path, maddrs, region="west", sub="eu/de_news-reviews-wiki", label="a", max_steps=many)
+    many = 100_000  # these peers run until they are stopped, at half speed (they wait on events, not steps)
+    half = ["--slowdown", "2"]
+    a = start_peer(procs, tmp_path, maddrs, region="west", sub="eu/de_news-reviews-wiki", label="a",
+                   max_steps=many, extra=half)
     b = start_peer(procs, tmp_path, maddrs, region="west", sub="eu/fr_blog-news-reviews-wiki", label="b",
-                   max_steps=many)
+                   max_steps=many, extra=half)
     wait_for(lambda: any(t["ok"] for t in traces(tmp_path, "a").values()), 180, "a first round of a and b")
 
     # a late joiner starts from the region's current (averaged) model, not from its random init
-    c = start_peer(procs, tmp_path, maddrs, region="west", sub="eu/nl_news", label="c", max_steps=many)
+    c = start_peer(procs, tmp_path, maddrs, region="west", sub="eu/nl_news", label="c", max_steps=many, extra=half)
     wait_for(lambda: (tmp_path / "trace" / "c-join.pt").exists(), 120, "c to load the region state")
     joined = trace(tmp_path, "c", "join")["tensors"]
     # (the region's agreed model after a round: members may hold personal mixes of it)
@@ -115,7 +117,8 @@ def test_late_joiner_loads_region_model_and_killed_peer_does_not_stall(procs, tm
 
     # a new joiner arrives after the kill; a finishes or skips the interrupted round within bounded
     # time, keeps training, and completes later rounds together with the newcomer
-    d = start_peer(procs, tmp_path, maddrs, region="west", sub="eu/it_parliament", label="d", max_steps=many)
+    d = start_peer(procs, tmp_path, maddrs, region="west", sub="eu/it_parliament", label="d",
+                   max_steps=many, extra=half)
 
     def rounds_with_d():
         ta = traces(tmp_path, "a")

@@ -23,6 +23,9 @@ from swarm_utils import (REPO, ProgressReader, env, log_tail, max_abs_diff, roun
 pytestmark = [pytest.mark.network, pytest.mark.slow]  # several peer processes each
 
 MANY = 100_000  # peers run until stopped
+# ... at half speed: four peers that train flat out until the test has seen what it waits for would
+# take the test's own work (monitors, the pure functions it compares with) off two cores
+SLOWER = ["--slowdown", "2"]
 # the failover test runs the world rounds other than the defaults (which the regions-of-one test
 # runs): world attention and the significance test of evidence mixing
 WORLD_VARIANT_ARGS = dict(world_target="attention", mix_z=2.0)
@@ -54,11 +57,12 @@ def test_leaders_world_rounds_and_leader_failover(procs, tmp_path):
     # each region its own border-DP policy (the leader clips and noises the backbone change it sends)
     policy = {"eu": (0.5, 0.02), "na": (1.0, 0.005)}  # (clip C, noise multiplier sigma)
     dp = {r: ["--region-dp-clip", str(c), "--region-dp-noise", str(n)] for r, (c, n) in policy.items()}
-    eu = {lab: start_peer(procs, tmp_path, maddrs, region="eu", sub=sub, label=lab, max_steps=MANY, extra=dp["eu"])
+    eu = {lab: start_peer(procs, tmp_path, maddrs, region="eu", sub=sub, label=lab, max_steps=MANY,
+                          extra=dp["eu"] + SLOWER)
           for lab, sub in (("eu-a", "de_news-reviews-wiki"), ("eu-b", "fr_blog-news-reviews-wiki"))}
     # na-b also trains with DP-SGD (Opacus): the monitor shows the epsilon it spends
     na = {lab: start_peer(procs, tmp_path, maddrs, region="na", sub=sub, label=lab, max_steps=MANY,
-                          extra=dp["na"] + extra)
+                          extra=dp["na"] + extra + SLOWER)
           for lab, sub, extra in (("na-a", "en_email", []), ("na-b", "en_reviews", ["--peer-dp-noise", "1.0"]))}
     labels = {**{k: "eu" for k in eu}, **{k: "na" for k in na}}
     out, err = nobody.communicate(timeout=120)
