@@ -411,8 +411,10 @@ class RegionRound:
         mates = [p for p, g in result.gathered.items() if p != me and not is_relay_gather(g)
                  and not (isinstance(g, dict) and g.get("outbound") is True)]
         for peer in sorted(suspect & set(mates)):
-            logger.warning("round %d: left out %s%s as a backbone partner: the robust rule caught it in this round",
-                           self.stats.round, peer, self._label_of(result, peer))
+            why = ("the robust rule caught it in this round" if peer in result.report.caught
+                   else "it failed this round as a reducer")
+            logger.warning("round %d: left out %s%s as a backbone partner: %s", self.stats.round, peer,
+                           self._label_of(result, peer), why)
         mates = [p for p in mates if p not in suspect]
         picked = rounds.partner_mates(mates, cap=self.rule.config.partner_candidates, round_index=self.stats.round)
         deadline = time.monotonic() + self.averaging.averaging_timeout
