@@ -572,11 +572,17 @@ def bad_input(corpus, tmp_path_factory) -> dict[str, tuple[list[str], int, str, 
     (tmp / "bad" / "eu" / "de").mkdir(parents=True)  # a sub-corpus without train.txt
     (tmp / "bad" / "eu" / "de" / "text.txt").write_text("Hallo Welt\n")
     (tmp / "run.toml").write_text("run_id = [\n[model\n")
+    # a peer whose valid.txt holds only blank lines: nothing to score it on (refused before training)
+    (tmp / "novalid" / "eu" / "de").mkdir(parents=True)
+    (tmp / "novalid" / "eu" / "de" / "train.txt").write_text((DEMO / "eu" / "de_news-reviews-wiki" / "train.txt")
+                                                            .read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    (tmp / "novalid" / "eu" / "de" / "valid.txt").write_text("\n  \n")
     (tmp / "outdir").mkdir()
     out = tmp / "r.json"
     cases = {
         "no-data": (["--data", str(tmp / "nonexistent")], [str(tmp / "nonexistent"), "does not exist"]),
         "bad-layout": (["--data", str(tmp / "bad")], [str(tmp / "bad" / "eu" / "de"), "train.txt"]),
+        "no-valid-text": (["--data", str(tmp / "novalid")], [str(tmp / "novalid" / "eu" / "de"), "no validation text"]),
         "rounds-0": (["--rounds", "0"], ["--rounds"]),
         "bogus-strategy": (["--strategy", "bogus"], ["bogus", "strategy"]),
         "out-is-dir": (["--out", str(tmp / "outdir")], [str(tmp / "outdir"), "directory"]),
@@ -592,7 +598,7 @@ def bad_input(corpus, tmp_path_factory) -> dict[str, tuple[list[str], int, str, 
     return {name: (needles, *results[name], out) for name, (_, needles) in cases.items()}
 
 
-@pytest.mark.parametrize("case", ["no-data", "bad-layout", "rounds-0", "bogus-strategy", "out-is-dir",
+@pytest.mark.parametrize("case", ["no-data", "bad-layout", "no-valid-text", "rounds-0", "bogus-strategy", "out-is-dir",
                                   "eval-rounds-abc", "run-config-not-toml"])
 def test_bad_input_fails_with_one_line(bad_input, case):
     needles, code, err, out = bad_input[case]
@@ -608,6 +614,11 @@ def test_bad_input_in_a_real_process(tmp_path):
 
 def test_a_diverged_model_has_infinite_perplexity_not_a_crash():
     from worldlm_p2p.simulate import _perplexity, _finite
+    from worldlm_p2p.train import bits_per_byte
+
+    # 2 nats/token at 2 bytes/token: 2 / (2 ln 2) bits per byte; no validation bytes: NaN, not a ZeroDivisionError
+    assert bits_per_byte(2.0, bytes_per_token=2.0) == pytest.approx(1 / math.log(2))
+    assert math.isnan(bits_per_byte(2.0, bytes_per_token=0.0))
 
     assert _perplexity(1.0) == pytest.approx(math.e)
     assert _perplexity(1e4) == math.inf and _finite({"p": _perplexity(1e4)}) == {"p": None}

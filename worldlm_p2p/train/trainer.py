@@ -76,7 +76,9 @@ def lr_at(step: int, train: TrainConfig) -> float:
 
 
 def bits_per_byte(nats_per_token: float, *, bytes_per_token: float) -> float:
-    """Convert a cross-entropy in nats/token to bits per UTF-8 byte."""
+    """Convert a cross-entropy in nats/token to bits per UTF-8 byte (NaN without validation bytes)."""
+    if not bytes_per_token > 0:
+        return math.nan
     return nats_per_token / (math.log(2) * bytes_per_token)
 
 
