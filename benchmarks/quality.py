@@ -34,6 +34,10 @@ Usage::
     python benchmarks/quality.py                    # the full study (112 runs; hours here: see RESULTS.md)
     python benchmarks/quality.py --quick            # for iteration: 2 corpora, 20 rounds, 2 seeds
     python benchmarks/quality.py --workdir DIR      # keep every run's JSON in DIR and reuse them
+    python benchmarks/quality.py --corpora /data/mine --ablation-corpora /data/mine   # a corpus of one's own
+
+A corpus of one's own (``--corpora PATH``: a directory in the federated layout, its regions as they
+are, or a grouping file) needs no shared corpus; its ``local`` runs are on it.
 
 Each run uses one torch thread; ``--jobs`` runs go in parallel (this machine has 2 cores).
 Writes ``--out`` (raw results) and the tables next to it (``.md``).
@@ -42,9 +46,11 @@ Writes ``--out`` (raw results) and the tables next to it (``.md``).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -63,6 +69,34 @@ CORPORA = ("scripts", "mixed", "related", "today", "random")
 #: to check them as the hidden corpus will (ask for it with --corpora)
 EXTRA_CORPORA = ("holdout",)
 KNOWN_CORPORA = CORPORA + EXTRA_CORPORA
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A corpus of the study: one of :data:`KNOWN_CORPORA` (a grouping file of ``benchmarks/corpora``
+    over the shared corpus, ``known``) or a user's own, given by its path: a directory in the
+    federated layout ``<region>/<sub_corpus>/{train.txt,valid.txt}`` (its own regions) or a grouping
+    file (``.toml``, :func:`worldlm_p2p.train.corpus.read_grouping`). ``name``: what the runs (in a
+    work directory) and the tables call it: for a path its last component and a digest of the full
+    path, so that two corpora of one name never share runs."""
+
+    name: str
+    data: Path  # what worldlm-simulate's --data gets
+    known: bool
+
+
+def resolve_corpus(spec: str, *, prog: str) -> Corpus:
+    """A ``--corpora`` entry as a :class:`Corpus` (exit with a one-line error if it is neither)."""
+    if spec in KNOWN_CORPORA:
+        return Corpus(spec, CORPORA_DIR / f"{spec}.toml", True)
+    path = Path(spec).expanduser()
+    if not path.exists() or (path.is_file() and path.suffix.lower() != ".toml"):
+        what = "does not exist" if not path.exists() else "is a file but not a grouping file (.toml)"
+        sys.exit(f"{prog}: error: corpus {spec!r}: not one of {', '.join(KNOWN_CORPORA)}, and as a path it {what} "
+                 f"(give a directory <region>/<sub_corpus>/train.txt or a grouping file)")
+    full = path.resolve()
+    stem = re.sub(r"[^A-Za-z0-9_-]", "_", full.stem)[:40] or "corpus"
+    return Corpus(f"{stem}-{hashlib.sha1(str(full).encode()).hexdigest()[:6]}", full, False)
 BASELINES = ("centralized", "fedavg", "hierfavg", "fedper")
 ABLATIONS = {
     "mix-none": ["--mix", "none"],
@@ -173,9 +207,13 @@ def plan(args) -> list[Run]:
     budgets = args.budgets
     seeds = list(range(args.seeds))
     runs: list[Run] = []
+    specs = getattr(args, "corpus_specs", {})
     for b in budgets:
-        runs += [Run("_subcorpora", b, "local", s, ("--strategy", "local")) for s in seeds]
+        if any(c not in specs or specs[c].known for c in args.corpora):
+            runs += [Run("_subcorpora", b, "local", s, ("--strategy", "local")) for s in seeds]
         for c in args.corpora:
+            if c in specs and not specs[c].known:  # a corpus of one's own: its local runs on it
+                runs += [Run(c, b, "local", s, ("--strategy", "local")) for s in seeds]
             runs += [Run(c, b, "worldlm", s, ("--strategy", "worldlm")) for s in seeds]
             runs += [Run(c, b, v, 0, ("--strategy", v)) for v in BASELINES if v in args.baselines]
             if c in args.ablation_corpora:
@@ -215,7 +253,9 @@ def run_one(run: Run, args, workdir: Path) -> dict[str, Any]:
         res = json.loads(out.read_text())
         res["reused"] = True
         return res
-    data = workdir / "_subcorpora.toml" if run.corpus == "_subcorpora" else CORPORA_DIR / f"{run.corpus}.toml"
+    spec = getattr(args, "corpus_specs", {}).get(run.corpus)
+    data = workdir / "_subcorpora.toml" if run.corpus == "_subcorpora" else \
+        spec.data if spec is not None else CORPORA_DIR / f"{run.corpus}.toml"
     cmd = [sys.executable, "-m", "worldlm_p2p.cli.simulate", "--data", str(data), "--model", args.model,
            "--rounds", str(run.budget.rounds), "--local-steps", str(run.budget.local_steps),
            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--eval-tokens", str(args.eval_tokens),
@@ -228,7 +268,7 @@ def run_one(run: Run, args, workdir: Path) -> dict[str, Any]:
         out.with_suffix(".tmp.json").unlink()
         return res
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    if args.corpus_root:
+    if args.corpus_root and (spec is None or spec.known):  # (a grouping file of one's own names its own root)
         env["WORLDLM_CORPUS_ROOT"] = str(args.corpus_root)
     t0 = time.monotonic()
     log = workdir / f"{run.name(args)}.log"
@@ -252,19 +292,34 @@ def run_one(run: Run, args, workdir: Path) -> dict[str, Any]:
 
 
 def corpus_layouts(args, *, prog: str) -> dict[str, dict[str, list[str]]]:
-    """Check the corpus root (exit with a one-line error), point the runs at it (``args.corpus_root``
-    and the environment of every run) and return each of ``args.corpora``'s layouts: region ->
-    sub-corpus names."""
-    root = (args.corpus_root or SHARED_CORPUS).resolve()
-    if not root.is_dir():
-        sys.exit(f"{prog}: error: corpus root {root} is not a directory (give --corpus-root)")
-    args.corpus_root = root
-    os.environ["WORLDLM_CORPUS_ROOT"] = str(root)
+    """Resolve ``args.corpora`` (names or paths, :func:`resolve_corpus`; they become the corpora's
+    names, their :class:`Corpus` in ``args.corpus_specs``), check the corpus root where a known
+    corpus needs it and each corpus's layout (exit with a one-line error), point the known corpora's
+    runs at the root (``args.corpus_root``) and return each corpus's layout: region -> sub-corpus
+    names."""
+    specs = {}
+    for c in args.corpora:
+        spec = resolve_corpus(c, prog=prog)
+        specs[spec.name] = spec
+    args.corpus_specs = {**getattr(args, "corpus_specs", {}), **specs}
+    args.corpora = list(specs)
     sys.path.insert(0, str(REPO))
-    from worldlm_p2p.train.corpus import read_grouping
+    from worldlm_p2p.errors import WorldLMError
+    from worldlm_p2p.train.corpus import list_corpus, read_grouping
 
-    return {c: {r: [q.name for q in ps] for r, ps in read_grouping(CORPORA_DIR / f"{c}.toml").items()}
-            for c in args.corpora}
+    root = (args.corpus_root or SHARED_CORPUS).resolve()
+    if any(spec.known for spec in specs.values()):
+        if not root.is_dir():
+            sys.exit(f"{prog}: error: corpus root {root} is not a directory (give --corpus-root)")
+        args.corpus_root = root
+    layouts = {}
+    for name, spec in specs.items():
+        try:
+            layout = read_grouping(spec.data, root=root) if spec.known else list_corpus(spec.data)
+        except WorldLMError as e:
+            sys.exit(f"{prog}: error: corpus {name}: {e}")
+        layouts[name] = {r: [q.name for q in ps] for r, ps in layout.items()}
+    return layouts
 
 
 def finish_study(args, raw: dict[str, Any], lines: list[str], tmp) -> None:
@@ -281,7 +336,8 @@ def finish_study(args, raw: dict[str, Any], lines: list[str], tmp) -> None:
 def study_parser(description: str, *, out: Path) -> argparse.ArgumentParser:
     """The arguments every paired study takes (each adds its own)."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--corpora", default="related,mixed", help=f"comma-separated, of {', '.join(CORPORA)}")
+    p.add_argument("--corpora", default="related,mixed",
+                   help=f"comma-separated, of {', '.join(KNOWN_CORPORA)} or paths (a corpus directory or a grouping file)")
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--local-steps", type=int, default=25)
@@ -301,9 +357,6 @@ def prepare_study(args, *, prog: str) -> tuple[dict[str, dict[str, list[str]]], 
     root, and return the corpora's layouts, the work directory and the temporary directory to clean
     up (None with ``--workdir``). ``args.corpora`` becomes a list."""
     args.corpora = [c for c in args.corpora.split(",") if c]
-    for c in args.corpora:
-        if c not in KNOWN_CORPORA:
-            sys.exit(f"{prog}: error: unknown corpus {c!r} (known: {', '.join(KNOWN_CORPORA)})")
     layouts = corpus_layouts(args, prog=prog)
     if args.workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix=f"worldlm-{Path(prog).stem}-")
@@ -345,8 +398,13 @@ def peer_ppl(res: dict[str, Any]) -> dict[str, float]:
 
 
 def local_for(corpus_layout: dict[str, list[str]], local_res: dict[str, Any]) -> dict[str, float]:
-    """The corpus's peers' perplexities read off a local run on every sub-corpus."""
-    by_label = {k.split("/", 1)[1]: v for k, v in peer_ppl(local_res).items()}
+    """The corpus's peers' perplexities read off a local run: on the corpus itself (a corpus of one's
+    own: by region and sub-corpus), or on every sub-corpus of the known corpora (by sub-corpus)."""
+    peers = peer_ppl(local_res)
+    keys = [f"{r}/{label}" for r, labels in corpus_layout.items() for label in labels]
+    if all(k in peers for k in keys):
+        return {k: peers[k] for k in keys}
+    by_label = {k.split("/", 1)[1]: v for k, v in peers.items()}
     return {f"{r}/{label}": by_label[label] for r, labels in corpus_layout.items() for label in labels}
 
 
@@ -562,8 +620,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="for iteration: 2 corpora (scripts, related), the short budget "
                                                         "and 20 rounds x 25 steps, 2 seeds, baselines fedavg and "
                                                         "hierfavg, the mix-none ablation on related (about 11 min from nothing on 2 cores)")
-    p.add_argument("--corpora", default=None, help=f"comma-separated, of {', '.join(KNOWN_CORPORA)} (default: all but {', '.join(EXTRA_CORPORA)})")
-    p.add_argument("--ablation-corpora", default=None, help="corpora that get the ablations (default related,mixed: both have regions of several peers, where K attention acts, and several regions)")
+    p.add_argument("--corpora", default=None,
+                   help=f"comma-separated, of {', '.join(KNOWN_CORPORA)} (default: all but {', '.join(EXTRA_CORPORA)}), "
+                        "or paths of corpora of one's own: a directory <region>/<sub_corpus>/{train,valid}.txt (its "
+                        "regions as they are) or a grouping file (.toml); these need no shared corpus")
+    p.add_argument("--ablation-corpora", default=None, help="corpora that get the ablations, names or paths as in --corpora (default related,mixed: both have regions of several peers, where K attention acts, and several regions)")
     p.add_argument("--ablations", default=",".join(DEFAULT_ABLATIONS),
                    help=f"which ablations, of {', '.join(ABLATIONS)} (default {','.join(DEFAULT_ABLATIONS)})")
     p.add_argument("--baselines", default=",".join(BASELINES), help="which single-seed baselines (default all)")
@@ -603,12 +664,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.report_only and not args.workdir.is_dir():
         sys.exit(f"quality.py: error: --workdir {args.workdir} is not a directory (--report-only builds the tables "
                  "from the runs already made there)")
-    for name in (*args.corpora, *args.ablation_corpora):
-        if name not in KNOWN_CORPORA:
-            sys.exit(f"quality.py: error: unknown corpus {name!r} (known: {', '.join(KNOWN_CORPORA)})")
     unknown = sorted(set(args.ablations) - set(ABLATIONS)) + sorted(set(args.baselines) - set(BASELINES))
     if unknown:
         sys.exit(f"quality.py: error: unknown ablation or baseline {unknown[0]!r}")
+    # the ablation corpora by the names their paths resolve to (an entry not in --corpora runs nothing)
+    args.ablation_corpora = [resolve_corpus(c, prog="quality.py").name for c in args.ablation_corpora]
     layouts = corpus_layouts(args, prog="quality.py")
     args.peers = {c: sum(len(v) for v in lay.values()) for c, lay in layouts.items()}
     args.peers["_subcorpora"] = len({label for lay in layouts.values() for v in lay.values() for label in v})
@@ -620,7 +680,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         workdir = args.workdir
         workdir.mkdir(parents=True, exist_ok=True)
-    union_grouping(list(KNOWN_CORPORA), workdir, args.corpus_root)  # local runs cover every corpus, whichever are asked for
+    if any(spec.known for spec in args.corpus_specs.values()):
+        union_grouping(list(KNOWN_CORPORA), workdir, args.corpus_root)  # local runs cover every corpus, whichever are asked for
     runs = plan(args)
     not_run = []
     if args.report_only:
@@ -651,7 +712,7 @@ def main(argv: list[str] | None = None) -> None:
             for r in runs:
                 if r.budget != b or r.name(args) not in results:
                     continue
-                if r.corpus == c or (r.corpus == "_subcorpora" and r.variant == "local"):
+                if r.corpus == c or (r.corpus == "_subcorpora" and r.variant == "local" and args.corpus_specs[c].known):
                     by_variant.setdefault(r.variant, {})[r.seed] = results[r.name(args)]
             text, summ = corpus_tables(c, b, layouts[c], by_variant, args)
             lines += text

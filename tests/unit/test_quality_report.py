@@ -64,3 +64,41 @@ def test_ablation_line_against_local_by_hand():
     assert row.endswith(f"| {14.0 / 15.5:.3f}x ({statistics.fmean(ratios):.4f} ± {statistics.stdev(ratios):.4f}) |")
     # the baselines and worldlm itself carry no such cell
     assert "vs_local" not in summary["worldlm"]
+
+
+def test_a_corpus_of_ones_own_by_its_path(tmp_path):
+    """``--corpora`` takes a directory in the federated layout (or a grouping file) besides the known
+    names: its regions as they are, its own local runs (a sub-corpus name may repeat across regions,
+    or be one of the shared corpus's), no shared corpus needed; a bad path is one line."""
+    import argparse
+
+    for region, subs in {"north": ["news", "web"], "south": ["news"]}.items():
+        for sub in subs:
+            (tmp_path / "c" / region / sub).mkdir(parents=True)
+            (tmp_path / "c" / region / sub / "train.txt").write_text("text\n")
+    (tmp_path / "c" / "README.md").write_text("a file at the top: ignored\n")
+    args = argparse.Namespace(corpora=[str(tmp_path / "c"), "related"], corpus_root=tmp_path / "nowhere")
+    with pytest.raises(SystemExit, match="corpus root .*nowhere is not a directory"):  # (related needs it)
+        quality.corpus_layouts(args, prog="q")
+    args = argparse.Namespace(corpora=[str(tmp_path / "c")], corpus_root=tmp_path / "nowhere")
+    layouts = quality.corpus_layouts(args, prog="q")
+    (name,) = args.corpora
+    assert name.startswith("c-") and layouts == {name: {"north": ["news", "web"], "south": ["news"]}}
+    spec = args.corpus_specs[name]
+    assert spec.data == (tmp_path / "c").resolve() and not spec.known
+    # the same name elsewhere is another corpus: its runs are never shared
+    (tmp_path / "other" / "c").mkdir(parents=True)
+    assert quality.resolve_corpus(str(tmp_path / "other" / "c"), prog="q").name != name
+    # its local runs are on it (none on the shared corpus's sub-corpora), and read by region and sub-corpus
+    args.budgets, args.seeds, args.baselines, args.ablations, args.ablation_corpora = \
+        [quality.Budget("short", 6, 10)], 2, [], [], []
+    args.peers = {name: 3}
+    runs = quality.plan(args)
+    assert sorted((r.corpus, r.variant, r.seed) for r in runs) == \
+        [(name, v, s) for v in ("local", "worldlm") for s in (0, 1)]
+    res = {"peers": {"north/news": {"perplexity": 2.0}, "north/web": {"perplexity": 3.0},
+                     "south/news": {"perplexity": 5.0}}}
+    assert quality.local_for(layouts[name], res) == {"north/news": 2.0, "north/web": 3.0, "south/news": 5.0}
+    for bad, why in (("nope", "does not exist"), (str(tmp_path / "c" / "README.md"), "not a grouping file")):
+        with pytest.raises(SystemExit, match=why):
+            quality.resolve_corpus(bad, prog="q")
