@@ -152,3 +152,22 @@ def test_swarm_config_devices():
     for bad in ("gpu", "cuda:", "cuda:x", ""):
         with pytest.raises(ConfigError, match="is not cpu, cuda or cuda:N"):
             SwarmConfig(regions={"eu": 1}, data=Path("."), out=Path("o"), manifest=m, device=bad)
+
+
+def test_swarm_regions_default_to_the_corpus_it_is_given(tmp_path):
+    """``--data`` without ``--regions``: every region of that corpus, one peer per sub-corpus (the
+    demo's eu=3,na=2,asia=2 would name regions a corpus of one's own may not have); ``--regions``
+    as given otherwise; a bad layout is the corpus's one-line error."""
+    from worldlm_p2p.cli.swarm import choose_regions
+    from worldlm_p2p.errors import DataError
+
+    for region, subs in {"north": ["a", "b", "c"], "south-1": ["d"]}.items():
+        for sub in subs:
+            (tmp_path / "c" / region / sub).mkdir(parents=True)
+            (tmp_path / "c" / region / sub / "train.txt").write_text("text\n")
+    assert choose_regions(None, tmp_path / "c") == {"north": 3, "south-1": 1}
+    assert choose_regions("north=2", tmp_path / "c") == {"north": 2}
+    assert choose_regions(None, None) == {"eu": 3, "na": 2, "asia": 2}
+    (tmp_path / "c" / "south-1" / "e").mkdir()
+    with pytest.raises(DataError, match="has no train.txt"):
+        choose_regions(None, tmp_path / "c")

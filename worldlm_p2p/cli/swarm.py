@@ -18,12 +18,14 @@ from worldlm_p2p.cli.common import ArgumentParser, install_stop_handlers, run_ma
 from worldlm_p2p.config import RunManifest
 
 PROG = "worldlm-swarm"
+DEMO_REGIONS = "eu=3,na=2,asia=2"  # of the bundled demo slice
 logger = logging.getLogger(PROG)
 
 
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog=PROG, description="Run a whole WorldLM world on this machine.")
-    p.add_argument("--regions", default="eu=3,na=2,asia=2", help="REGION=PEERS,... (default eu=3,na=2,asia=2)")
+    p.add_argument("--regions", default=None, help="REGION=PEERS,... (default: eu=3,na=2,asia=2 of the demo slice; with "
+                                                   "--data, every region of that corpus with one peer per sub-corpus)")
     p.add_argument("--model", default="tiny", help="model preset: tiny, small, base, large (default tiny)")
     p.add_argument("--max-steps", type=int, default=120, help="local steps per peer (default 120)")
     p.add_argument("--inner-steps", type=int, default=15, help="H: local steps between region rounds (default 15)")
@@ -39,6 +41,19 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--no-report", action="store_true",
                    help="do not write report.png and report.md (loss against tokens per region) at the end")
     return p
+
+
+def choose_regions(spec: str | None, data: Path | None) -> dict[str, int]:
+    """Region -> peers: ``--regions`` as given; else, with ``--data``, every region of that corpus with
+    one peer per sub-corpus (as its layout says); else the demo's :data:`DEMO_REGIONS`."""
+    from worldlm_p2p.swarm import parse_regions
+    from worldlm_p2p.train import list_corpus
+
+    if spec is not None:
+        return parse_regions(spec)
+    if data is not None:
+        return {region: len(subs) for region, subs in list_corpus(data).items()}
+    return parse_regions(DEMO_REGIONS)
 
 
 def make_manifest(args) -> RunManifest:
@@ -57,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
 
         from worldlm_p2p.errors import ConfigError
         from worldlm_p2p.logs import setup_logging
-        from worldlm_p2p.swarm import LocalSwarm, SwarmConfig, parse_regions
+        from worldlm_p2p.swarm import LocalSwarm, SwarmConfig
         from worldlm_p2p.train import demo_data_dir
 
         if args.max_steps < 1:
@@ -76,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
             probe.unlink()
         except OSError as e:
             raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-        config = SwarmConfig(regions=parse_regions(args.regions), data=data, out=out, manifest=manifest,
+        config = SwarmConfig(regions=choose_regions(args.regions, Path(args.data) if args.data else None), data=data,
+                             out=out, manifest=manifest,
                              max_steps=args.max_steps, threads_per_peer=args.threads_per_peer, device=args.device)
         swarm = LocalSwarm(config=config)
         swarm.plan()  # validate data and regions before starting anything
