@@ -97,6 +97,8 @@ def resolve_corpus(spec: str, *, prog: str) -> Corpus:
     full = path.resolve()
     stem = re.sub(r"[^A-Za-z0-9_-]", "_", full.stem)[:40] or "corpus"
     return Corpus(f"{stem}-{hashlib.sha1(str(full).encode()).hexdigest()[:6]}", full, False)
+
+
 BASELINES = ("centralized", "fedavg", "hierfavg", "fedper")
 ABLATIONS = {
     "mix-none": ["--mix", "none"],
