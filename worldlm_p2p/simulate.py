@@ -159,9 +159,9 @@ class Simulator:
             for sub in subs:
                 data = tokenize_splits(load_texts(sub), self.tokenizer)
                 if data.valid.numel() == 0:  # (a swarm peer without it trains on, unevaluated)
-                    raise DataError(f"{sub}: no validation text (an empty or blank valid.txt): the simulator scores "
-                                    f"every peer on its own held-out text; add some, or leave valid.txt out to hold "
-                                    f"out the last 10% of train.txt")
+                    raise DataError(f"{sub}: no validation text (valid.txt empty or blank, or too little text to hold "
+                                    f"some out): the simulator scores every peer on its own held-out text; add some, "
+                                    f"or leave valid.txt out to hold out the last 10% of train.txt")
                 if evidence:  # the tune slice: training text held apart for the members' evidence
                     data = hold_out_tune(data, fraction=agg.tune_fraction, max_tokens=agg.tune_tokens,
                                          seq_len=t.seq_len, eos_id=self.tokenizer.eos_id, pieces=agg.tune_pieces)
