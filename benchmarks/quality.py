@@ -234,9 +234,15 @@ def union_grouping(corpora: list[str], workdir: Path, root: Path) -> Path:
     """Every sub-corpus the corpora use, each its own region (for the local runs)."""
     from worldlm_p2p.train.corpus import read_grouping
 
+    from worldlm_p2p.errors import WorldLMError
+
     subs: dict[str, Path] = {}
     for c in corpora:
-        for paths in read_grouping(CORPORA_DIR / f"{c}.toml", root=root).values():
+        try:
+            groups = read_grouping(CORPORA_DIR / f"{c}.toml", root=root)
+        except WorldLMError as e:  # (one local run serves every known corpus: it needs all their sub-corpora)
+            sys.exit(f"quality.py: error: the local runs cover every sub-corpus of the known corpora, and {e}")
+        for paths in groups.values():
             for p in paths:
                 subs[p.name] = p.relative_to(root.resolve())
     lines = [f"root = {json.dumps(str(root.resolve()))}", "", "[regions]"]

@@ -102,3 +102,12 @@ def test_a_corpus_of_ones_own_by_its_path(tmp_path):
     for bad, why in (("nope", "does not exist"), (str(tmp_path / "c" / "README.md"), "not a grouping file")):
         with pytest.raises(SystemExit, match=why):
             quality.resolve_corpus(bad, prog="q")
+
+
+def test_a_corpus_root_without_every_known_sub_corpus_is_one_line(tmp_path):
+    """One local run serves every known corpus (its runs are reused whichever corpora are asked for),
+    so it needs all their sub-corpora under the corpus root: without them, one line, no traceback."""
+    (tmp_path / "root" / "eu" / "x").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="the local runs cover every sub-corpus of the known corpora, and grouping "
+                                         "file .* has no train.txt under"):
+        quality.union_grouping(["related"], tmp_path, tmp_path / "root")
