@@ -650,10 +650,14 @@ def main(argv: list[str] | None = None) -> None:
                    help="where the corpus of the grouping files lies (default ../shared/data/corpus)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--workdir", type=Path, default=None, help="keep (and reuse) every run's results here")
-    p.add_argument("--out", type=Path, default=None, help="raw results (default benchmarks/out/quality[-quick].json)")
+    p.add_argument("--out", type=Path, default=None, help="raw results (default benchmarks/out/quality[-quick].json; with corpora of one's own "
+                        "quality[-quick]-<their names>.json)")
     args = p.parse_args(argv)
-    args.corpora = (args.corpora or ("scripts,related" if args.quick else ",".join(CORPORA))).split(",")
-    args.ablation_corpora = (args.ablation_corpora or ("related" if args.quick else "related,mixed")).split(",")
+    if args.corpora is not None and not args.corpora.strip(", "):  # (an empty --corpora is no corpus, not all of them)
+        sys.exit("quality.py: error: --corpora names no corpus")
+    args.corpora = [c for c in (args.corpora or ("scripts,related" if args.quick else ",".join(CORPORA))).split(",") if c]
+    args.ablation_corpora = [c for c in (args.ablation_corpora if args.ablation_corpora is not None else
+                                         ("related" if args.quick else "related,mixed")).split(",") if c]
     if args.quick and args.ablations == ",".join(DEFAULT_ABLATIONS):
         args.ablations = "mix-none"
     if args.quick and args.baselines == ",".join(BASELINES):
@@ -680,7 +684,9 @@ def main(argv: list[str] | None = None) -> None:
     layouts = corpus_layouts(args, prog="quality.py")
     args.peers = {c: sum(len(v) for v in lay.values()) for c, lay in layouts.items()}
     args.peers["_subcorpora"] = len({label for lay in layouts.values() for v in lay.values() for label in v})
-    out = args.out or REPO / "benchmarks" / "out" / ("quality-quick.json" if args.quick else "quality.json")
+    # (a corpus of one's own gets a file of its own: the default ones hold the committed study)
+    own = "".join(f"-{c}" for c in args.corpora if not args.corpus_specs[c].known)
+    out = args.out or REPO / "benchmarks" / "out" / f"quality{'-quick' if args.quick else ''}{own}.json"
     tmp = None
     if args.workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="worldlm-quality-")

@@ -111,3 +111,9 @@ def test_a_corpus_root_without_every_known_sub_corpus_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match="the local runs cover every sub-corpus of the known corpora, and grouping "
                                          "file .* has no train.txt under"):
         quality.union_grouping(["related"], tmp_path, tmp_path / "root")
+
+
+def test_an_empty_corpora_list_is_an_error_not_the_whole_study(capsys):
+    for empty in ("", " , "):
+        with pytest.raises(SystemExit, match="--corpora names no corpus"):
+            quality.main(["--corpora", empty])
